@@ -1,0 +1,330 @@
+"""Wire message types.
+
+Every message has a ``kind`` literal and converts to and from a plain map
+(``to_wire`` / ``from_wire``); :mod:`protocol.codec` adds the schema version and
+turns that map into msgpack bytes. ``from_wire`` is the single place where a
+message arriving from another process is checked, field by field.
+
+Per-token arrays travel as numpy arrays (int32 token ids and versions, float32
+log-probs) and come back as read-only views of the received buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Union
+
+import numpy as np
+
+from protocol import fields as F
+from protocol.errors import ProtocolError
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Why a sample ended: end-of-sequence/stop string, token limit, aborted
+(deadline or shutdown), or failed (generation or reward error)."""
+
+MAX_GROUP_SIZE = 4096
+MAX_TOKENS = 1 << 22
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
+
+
+def _i32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _f32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+@dataclass
+class Trajectory:
+    """One sampled answer: its tokens, the engine's log-probs of them, the
+    policy version that produced each token, and its reward.
+
+    A sample that failed (generation error, reward error) has
+    ``finish_reason == "error"``, ``reward is None`` and ``error`` set; it is
+    never given reward 0.
+    """
+
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float | None
+    finish_reason: str = "stop"
+    error: str = ""
+
+    def __post_init__(self):
+        self.response_ids = _i32(self.response_ids)
+        self.logprobs = _f32(self.logprobs)
+        self.versions = _i32(self.versions)
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != "error"
+
+    def to_wire(self) -> dict:
+        return {"response_ids": self.response_ids, "logprobs": self.logprobs,
+                "versions": self.versions, "reward": self.reward,
+                "finish_reason": self.finish_reason, "error": self.error}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str, vocab_size: int) -> "Trajectory":
+        d = F.as_dict(d, path)
+        ids = F.as_array(F.req(d, "response_ids", path), f"{path}.response_ids", "int32")
+        if ids.shape[0] > MAX_TOKENS:
+            raise ProtocolError(f"{path}.response_ids", f"at most {MAX_TOKENS} tokens", ids.shape[0])
+        n = ids.shape[0]
+        lps = F.as_array(F.req(d, "logprobs", path), f"{path}.logprobs", "float32", length=n)
+        vers = F.as_array(F.req(d, "versions", path), f"{path}.versions", "int32", length=n)
+        F.check_token_ids(ids, f"{path}.response_ids", vocab_size)
+        F.check_logprobs(lps, f"{path}.logprobs")
+        F.check_non_negative(vers, f"{path}.versions")
+        reason = F.as_str(F.req(d, "finish_reason", path), f"{path}.finish_reason")
+        if reason not in FINISH_REASONS:
+            raise ProtocolError(f"{path}.finish_reason", f"one of {FINISH_REASONS}", reason)
+        error = F.as_str(F.req(d, "error", path), f"{path}.error")
+        reward = F.req(d, "reward", path)
+        if reason == "error":
+            if reward is not None:
+                raise ProtocolError(f"{path}.reward", "null for a failed sample", reward)
+            if not error:
+                raise ProtocolError(f"{path}.error", "a reason for a failed sample", error)
+        else:
+            reward = F.as_float(reward, f"{path}.reward")
+        return cls(ids, lps, vers, reward, reason, error)
+
+
+@dataclass
+class TrajectoryGroup:
+    """The G answers sampled for one prompt, scored, ready for the learner.
+
+    ``scheduled_step`` is the learner step this group was generated for;
+    the trajectory buffer uses it with the per-token ``versions`` to enforce
+    ``max_trajectory_age_steps``.
+    """
+
+    KIND: ClassVar[str] = "trajectory_group"
+    group_id: str
+    prompt_id: str
+    prompt_ids: np.ndarray
+    trajectories: list[Trajectory]
+    group_size: int
+    vocab_size: int
+    scheduled_step: int = 0
+    engine_id: str = ""
+    created_at: float = 0.0
+
+    def __post_init__(self):
+        self.prompt_ids = _i32(self.prompt_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """Smallest policy version over all valid tokens of the group."""
+        mins = [int(t.versions.min()) for t in self.trajectories if t.ok and t.versions.size]
+        return min(mins) if mins else 0
+
+    @property
+    def valid(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if t.ok]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(t.response_ids.size) + int(self.prompt_ids.size) for t in self.trajectories)
+
+    def to_wire(self) -> dict:
+        return {"group_id": self.group_id, "prompt_id": self.prompt_id,
+                "prompt_ids": self.prompt_ids,
+                "trajectories": [t.to_wire() for t in self.trajectories],
+                "group_size": self.group_size, "vocab_size": self.vocab_size,
+                "scheduled_step": self.scheduled_step, "engine_id": self.engine_id,
+                "created_at": self.created_at}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str = "") -> "TrajectoryGroup":
+        group_id = F.as_str(F.req(d, "group_id", path), F._join(path, "group_id"), allow_empty=False)
+        prompt_id = F.as_str(F.req(d, "prompt_id", path), F._join(path, "prompt_id"), allow_empty=False)
+        vocab = F.as_int(F.req(d, "vocab_size", path), F._join(path, "vocab_size"), 1, 1 << 24)
+        gsize = F.as_int(F.req(d, "group_size", path), F._join(path, "group_size"), 1, MAX_GROUP_SIZE)
+        p_ids = F.as_array(F.req(d, "prompt_ids", path), F._join(path, "prompt_ids"), "int32")
+        if p_ids.shape[0] > MAX_TOKENS:
+            raise ProtocolError(F._join(path, "prompt_ids"), f"at most {MAX_TOKENS} tokens", p_ids.shape[0])
+        F.check_token_ids(p_ids, F._join(path, "prompt_ids"), vocab)
+        raw = F.as_list(F.req(d, "trajectories", path), F._join(path, "trajectories"), MAX_GROUP_SIZE)
+        if len(raw) != gsize:
+            raise ProtocolError(F._join(path, "trajectories"), f"{gsize} trajectories (group_size)", len(raw))
+        trajs = [Trajectory.from_wire(t, f"{F._join(path, 'trajectories')}[{i}]", vocab)
+                 for i, t in enumerate(raw)]
+        step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
+        engine_id = F.as_str(F.req(d, "engine_id", path), F._join(path, "engine_id"))
+        created = F.as_float(F.req(d, "created_at", path), F._join(path, "created_at"))
+        return cls(group_id, prompt_id, p_ids, trajs, gsize, vocab, step, engine_id, created)
+
+
+@dataclass
+class PromptRequest:
+    """A prompt to sample a group for. ``task`` carries what the reward
+    function needs (e.g. the reference answer); values are strings or numbers."""
+
+    KIND: ClassVar[str] = "prompt"
+    prompt_id: str
+    prompt_ids: np.ndarray
+    task: dict = field(default_factory=dict)
+    scheduled_step: int = 0
+
+    def __post_init__(self):
+        self.prompt_ids = _i32(self.prompt_ids)
+
+    def to_wire(self) -> dict:
+        return {"prompt_id": self.prompt_id, "prompt_ids": self.prompt_ids,
+                "task": dict(self.task), "scheduled_step": self.scheduled_step}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str = "") -> "PromptRequest":
+        pid = F.as_str(F.req(d, "prompt_id", path), F._join(path, "prompt_id"), allow_empty=False)
+        ids = F.as_array(F.req(d, "prompt_ids", path), F._join(path, "prompt_ids"), "int32")
+        F.check_non_negative(ids, F._join(path, "prompt_ids"))
+        task = F.as_dict(F.req(d, "task", path), F._join(path, "task"))
+        for k, v in task.items():
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                raise ProtocolError(f"{F._join(path, 'task')}.{k}", "a string or number", type(v).__name__)
+            if isinstance(v, str):
+                F.as_str(v, f"{F._join(path, 'task')}.{k}")
+        step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
+        return cls(pid, ids, task, step)
+
+
+@dataclass
+class TensorSpec:
+    """Where one named tensor lies inside the buckets of a weight push."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str) -> "TensorSpec":
+        d = F.as_dict(d, path)
+        name = F.as_str(F.req(d, "name", path), f"{path}.name", allow_empty=False)
+        dtype = F.as_str(F.req(d, "dtype", path), f"{path}.dtype")
+        if dtype not in WEIGHT_DTYPES:
+            raise ProtocolError(f"{path}.dtype", f"one of {WEIGHT_DTYPES}", dtype)
+        shape = tuple(F.as_int(s, f"{path}.shape[{i}]", 0, 1 << 40)
+                      for i, s in enumerate(F.as_list(F.req(d, "shape", path), f"{path}.shape", 8)))
+        bucket = F.as_int(F.req(d, "bucket", path), f"{path}.bucket", 0)
+        offset = F.as_int(F.req(d, "offset", path), f"{path}.offset", 0)
+        nbytes = F.as_int(F.req(d, "nbytes", path), f"{path}.nbytes", 0)
+        expect = int(np.prod(shape, dtype=np.int64)) * dtype_itemsize(dtype)
+        if nbytes != expect:
+            raise ProtocolError(f"{path}.nbytes", f"{expect} (= prod(shape) x itemsize of {dtype})", nbytes)
+        return cls(name, dtype, shape, bucket, offset, nbytes)
+
+
+def dtype_itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+@dataclass
+class WeightManifest:
+    """Announces a weight push: the version it installs, every tensor's place
+    in the buckets, each bucket's size and checksum, and the totals. The
+    receiver installs nothing until every bucket has arrived and matched."""
+
+    KIND: ClassVar[str] = "weight_manifest"
+    version: int
+    tensors: list[TensorSpec]
+    bucket_sizes: list[int]
+    bucket_checksums: list[str]
+    total_bytes: int
+    checksum: str
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "tensors": [t.to_wire() for t in self.tensors],
+                "bucket_sizes": list(self.bucket_sizes), "bucket_checksums": list(self.bucket_checksums),
+                "total_bytes": self.total_bytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str = "") -> "WeightManifest":
+        version = F.as_int(F.req(d, "version", path), F._join(path, "version"), 0)
+        tpath = F._join(path, "tensors")
+        tensors = [TensorSpec.from_wire(t, f"{tpath}[{i}]")
+                   for i, t in enumerate(F.as_list(F.req(d, "tensors", path), tpath))]
+        sizes = [F.as_int(s, f"{F._join(path, 'bucket_sizes')}[{i}]", 0)
+                 for i, s in enumerate(F.as_list(F.req(d, "bucket_sizes", path), F._join(path, "bucket_sizes")))]
+        sums = [F.as_str(s, f"{F._join(path, 'bucket_checksums')}[{i}]", 64)
+                for i, s in enumerate(F.as_list(F.req(d, "bucket_checksums", path), F._join(path, "bucket_checksums")))]
+        if len(sums) != len(sizes):
+            raise ProtocolError(F._join(path, "bucket_checksums"), f"{len(sizes)} entries (one per bucket)", len(sums))
+        total = F.as_int(F.req(d, "total_bytes", path), F._join(path, "total_bytes"), 0)
+        if total != sum(sizes):
+            raise ProtocolError(F._join(path, "total_bytes"), f"{sum(sizes)} (sum of bucket_sizes)", total)
+        for i, t in enumerate(tensors):
+            if t.bucket >= len(sizes) or t.offset + t.nbytes > sizes[t.bucket]:
+                raise ProtocolError(f"{tpath}[{i}]", "a range inside its bucket",
+                                    f"bucket {t.bucket} offset {t.offset} nbytes {t.nbytes}")
+        checksum = F.as_str(F.req(d, "checksum", path), F._join(path, "checksum"), 64)
+        return cls(version, tensors, sizes, sums, total, checksum)
+
+
+@dataclass
+class WeightBucket:
+    """One contiguous chunk of a weight push (raw bytes of several tensors)."""
+
+    KIND: ClassVar[str] = "weight_bucket"
+    version: int
+    index: int
+    data: np.ndarray
+    checksum: str
+
+    def __post_init__(self):
+        if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8:
+            self.data = np.frombuffer(memoryview(self.data).cast("B"), dtype=np.uint8)
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "index": self.index, "data": self.data, "checksum": self.checksum}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str = "") -> "WeightBucket":
+        version = F.as_int(F.req(d, "version", path), F._join(path, "version"), 0)
+        index = F.as_int(F.req(d, "index", path), F._join(path, "index"), 0)
+        data = F.as_array(F.req(d, "data", path), F._join(path, "data"), "uint8")
+        checksum = F.as_str(F.req(d, "checksum", path), F._join(path, "checksum"), 64)
+        return cls(version, index, data, checksum)
+
+
+CONTROL_ACTIONS = ("attach", "detach", "pause", "resume", "drain", "shutdown", "ack", "error")
+
+
+@dataclass
+class ControlMessage:
+    """A small command or reply between the learner, the pool and admins."""
+
+    KIND: ClassVar[str] = "control"
+    action: Literal["attach", "detach", "pause", "resume", "drain", "shutdown", "ack", "error"]
+    payload: dict = field(default_factory=dict)
+    sent_at: float = 0.0
+
+    def to_wire(self) -> dict:
+        return {"action": self.action, "payload": dict(self.payload), "sent_at": self.sent_at}
+
+    @classmethod
+    def from_wire(cls, d: dict, path: str = "") -> "ControlMessage":
+        action = F.as_str(F.req(d, "action", path), F._join(path, "action"))
+        if action not in CONTROL_ACTIONS:
+            raise ProtocolError(F._join(path, "action"), f"one of {CONTROL_ACTIONS}", action)
+        payload = F.as_dict(F.req(d, "payload", path), F._join(path, "payload"))
+        for k, v in payload.items():
+            if not isinstance(v, (str, int, float, bool, type(None))):
+                raise ProtocolError(f"{F._join(path, 'payload')}.{k}", "a scalar", type(v).__name__)
+        sent_at = F.as_float(F.req(d, "sent_at", path), F._join(path, "sent_at"))
+        return cls(action, payload, sent_at)
+
+
+Message = Union[TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage]
+MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in
+                                  (TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage)}

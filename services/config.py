@@ -1,0 +1,349 @@
+"""The recipe: one typed model per concern, loaded from YAML.
+
+A recipe file may name ``defaults: other.yaml`` (a path relative to it, or a
+list of them) whose keys it overrides; command-line ``key.path=value``
+overrides apply last (values parsed as YAML). Every error — unreadable YAML,
+unknown key (with a "did you mean"), wrong type, out of bounds, contradictory
+settings — becomes a :class:`RecipeError` naming the key path.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from protocol.config_base import ConfigModel
+from rollout.config import GenerationConfig
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe could not be loaded; ``path`` is the dotted key path."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+
+class AsyncGrpoConfig(ConfigModel):
+    """``grpo.async_grpo``: lag-1 asynchronous GRPO."""
+
+    enabled: bool = False
+    """Overlap generation of step k+1 with training of step k (requires non-colocated generation)."""
+    max_trajectory_age_steps: int = Field(1, ge=1, le=64)
+    """Oldest token a trained group may hold, in policy versions behind the step; older groups are dropped."""
+    in_flight_weight_updates: bool = True
+    """Push new weights without draining running requests (pause(keep) -> load -> resume)."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """After an in-flight update, recompute the KV cache of running requests with the new weights."""
+
+
+class GrpoConfig(ConfigModel):
+    """``grpo``: the algorithm's sizes and schedule."""
+
+    num_prompts_per_step: int = Field(64, ge=1, le=65536)
+    """Prompts (groups) trained per step."""
+    num_generations_per_prompt: int = Field(16, ge=2, le=4096)
+    """Group size G: answers sampled per prompt (>= 2: advantages compare answers of a group)."""
+    max_num_steps: int = Field(100, ge=1)
+    """Training steps to run."""
+    normalize_rewards: bool = True
+    """Divide group-centred rewards by the group's std (+1e-6); False keeps only the centring."""
+    seed: int = Field(42, ge=0)
+    """Seed of data order, sampling and initialisation."""
+    async_grpo: AsyncGrpoConfig = Field(default_factory=AsyncGrpoConfig)
+    """Asynchronous (lag-1) mode."""
+
+
+class PolicyConfig(ConfigModel):
+    """``policy``: the model, its learner and its generation."""
+
+    model_name: str = "tiny://qwen2"
+    """HF model directory, or ``tiny://ARCH[?seed=N&size=S]`` to build a random tiny model locally."""
+    max_total_sequence_length: int = Field(8192, ge=16)
+    """Prompt + answer tokens of one sequence."""
+    train_micro_batch_size: int = Field(1, ge=1)
+    """Rows per micro-batch when packing is off."""
+    refit_bucket_mb: int = Field(512, ge=1, le=65536)
+    """Size of one weight bucket pushed to the engines, in MiB."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """Sampling and engines."""
+    megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Learner parallelism and optimizer."""
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    """Packing into micro-batches."""
+
+
+class EnvConfig(ConfigModel):
+    """``env``: where prompts come from and how answers are scored."""
+
+    task: Literal["repeat_letter", "arithmetic"] = "repeat_letter"
+    """Prompt source: ``repeat_letter`` (toy task a tiny random model learns on CPU) or ``arithmetic``."""
+    reward_fn: Literal["repeat_letter", "math_exact", "format"] = "repeat_letter"
+    """Reward function from the rollout registry."""
+    num_prompts: int = Field(4096, ge=1)
+    """Size of the prompt set (generated from ``grpo.seed``)."""
+    reward_timeout_s: float = Field(30.0, gt=0.0)
+    """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
+
+
+class ClusterConfig(ConfigModel):
+    """``cluster``: the hardware the recipe is written for."""
+
+    num_nodes: int = Field(1, ge=1, le=4096)
+    """Nodes."""
+    gpus_per_node: int = Field(0, ge=0, le=16)
+    """GPUs per node; 0 runs on CPU."""
+
+
+class RolloutPoolConfig(ConfigModel):
+    """``rollout_pool``: the long-lived generation service."""
+
+    name: str = Field("inflight-pool", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Ray Serve application name; learners attach to it by name."""
+    num_engines: int = Field(1, ge=1, le=1024)
+    """vLLM engine replicas."""
+    gpus_per_engine: int | None = Field(None, ge=1)
+    """GPUs per engine; default: tensor x pipeline parallel size of ``vllm_cfg``."""
+    http_host: str = "127.0.0.1"
+    """Address of /healthz, /readyz, /metrics; loopback unless told otherwise."""
+    http_port: int = Field(8123, ge=0, le=65535)
+    """Port of the HTTP endpoints (0 picks a free one)."""
+    admin_token_env: str = "INFLIGHT_ADMIN_TOKEN"
+    """Environment variable holding the bearer token for admin endpoints (pause, resume, drain)."""
+    max_inflight_groups: int = Field(256, ge=1)
+    """Backpressure: groups generated but not yet taken by the learner."""
+    learner_gpus: int | None = Field(None, ge=0)
+    """GPUs of the learner job when not colocated; default: the rest of the cluster."""
+
+
+class CheckpointingConfig(ConfigModel):
+    """``checkpointing``: learner state on disk (NeMo-RL names)."""
+
+    enabled: bool = True
+    """Save checkpoints."""
+    checkpoint_dir: str = "results/checkpoints"
+    """Where checkpoints go (relative paths are under the run directory)."""
+    save_period: int = Field(10, ge=1)
+    """Save every N steps (and at the end)."""
+    keep_top_k: int = Field(2, ge=1)
+    """Most recent checkpoints kept."""
+
+
+class LoggerConfig(ConfigModel):
+    """``logger``: where metrics go."""
+
+    tensorboard_enabled: bool = True
+    """Write TensorBoard events under RUN_DIR/tensorboard."""
+    log_dir: str = "runs/latest"
+    """Run directory (metrics.jsonl, plots, checkpoints)."""
+    parity_probe_sequences: int = Field(4, ge=0)
+    """Sequences scored by engine and learner after each refit (gen KL parity probe); 0 disables it."""
+
+
+class Recipe(ConfigModel):
+    """A whole run."""
+
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    """Algorithm sizes and schedule."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """Model, learner, generation."""
+    loss_fn: LossConfig = Field(default_factory=LossConfig)
+    """GRPO loss."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Prompts and rewards."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Hardware."""
+    rollout_pool: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
+    """Generation service."""
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    """Checkpoints."""
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    """Metrics."""
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        p, g = self.policy, self.policy.generation
+        if g.max_new_tokens >= p.max_total_sequence_length:
+            raise ValueError(f"policy.generation.max_new_tokens ({g.max_new_tokens}) must be < "
+                             f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
+        if p.sequence_packing.enabled and p.sequence_packing.train_mb_tokens < p.max_total_sequence_length:
+            raise ValueError(f"policy.sequence_packing.train_mb_tokens ({p.sequence_packing.train_mb_tokens}) must "
+                             f"be >= policy.max_total_sequence_length ({p.max_total_sequence_length})")
+        a = self.grpo.async_grpo
+        if a.enabled and g.colocated.enabled:
+            raise ValueError("grpo.async_grpo.enabled requires policy.generation.colocated.enabled=false "
+                             "(the learner and the pool need their own devices)")
+        if a.enabled and not self.loss_fn.use_importance_sampling_correction:
+            raise ValueError("grpo.async_grpo.enabled requires loss_fn.use_importance_sampling_correction=true "
+                             "(lag-1 samples come from an older policy)")
+        if g.vllm_cfg.max_model_len is not None and g.vllm_cfg.max_model_len < p.max_total_sequence_length:
+            raise ValueError(f"policy.generation.vllm_cfg.max_model_len ({g.vllm_cfg.max_model_len}) must be >= "
+                             f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
+        self._check_gpus()
+        return self
+
+    def _check_gpus(self):
+        c = self.cluster
+        total = c.num_nodes * c.gpus_per_node
+        if total == 0:
+            return
+        v, m = self.policy.generation.vllm_cfg, self.policy.megatron_cfg
+        per_engine = self.rollout_pool.gpus_per_engine or v.tensor_parallel_size * v.pipeline_parallel_size
+        if v.expert_parallel_size > per_engine:
+            raise ValueError(f"policy.generation.vllm_cfg.expert_parallel_size ({v.expert_parallel_size}) must be "
+                             f"<= GPUs per engine ({per_engine})")
+        pool = self.rollout_pool.num_engines * per_engine
+        if self.policy.generation.colocated.enabled:
+            learner = total
+            if pool > total:
+                raise ValueError(f"rollout_pool: {self.rollout_pool.num_engines} engines x {per_engine} GPUs = "
+                                 f"{pool} > cluster total {total} (colocated)")
+        else:
+            learner = self.rollout_pool.learner_gpus if self.rollout_pool.learner_gpus is not None else total - pool
+            if learner + pool != total:
+                raise ValueError(f"cluster: learner GPUs ({learner}) + rollout GPUs ({pool} = "
+                                 f"{self.rollout_pool.num_engines} engines x {per_engine}) must equal "
+                                 f"num_nodes x gpus_per_node ({total})")
+            if learner <= 0:
+                raise ValueError(f"cluster: no GPUs left for the learner ({total} total, {pool} for the pool)")
+        mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+        if learner % mp:
+            raise ValueError(f"policy.megatron_cfg: learner GPUs ({learner}) not divisible by TP x PP ({mp})")
+        dp = learner // mp
+        if (dp * m.tensor_model_parallel_size) % m.expert_model_parallel_size:
+            raise ValueError(f"policy.megatron_cfg.expert_model_parallel_size ({m.expert_model_parallel_size}) must "
+                             f"divide DP x TP ({dp * m.tensor_model_parallel_size}) of the learner")
+
+    @property
+    def learner_gpus(self) -> int:
+        c = self.cluster
+        total = c.num_nodes * c.gpus_per_node
+        if self.policy.generation.colocated.enabled:
+            return total
+        v = self.policy.generation.vllm_cfg
+        per_engine = self.rollout_pool.gpus_per_engine or v.tensor_parallel_size * v.pipeline_parallel_size
+        if self.rollout_pool.learner_gpus is not None:
+            return self.rollout_pool.learner_gpus
+        return total - self.rollout_pool.num_engines * per_engine
+
+
+# ---------------------------------------------------------------- loading
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise RecipeError("defaults", f"cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError("", f"cannot read recipe {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError("", f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise RecipeError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    defaults = data.pop("defaults", None)
+    if defaults is None:
+        return data
+    names = [defaults] if isinstance(defaults, str) else defaults
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise RecipeError("defaults", f"expected a file name or a list of them, got {defaults!r}")
+    merged: dict = {}
+    for n in names:
+        merged = _merge(merged, _read_yaml(path.parent / n, seen + (path,)))
+    return _merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError(text, "an override must look like key.path=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError(key, "empty key segment in override")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _merge({}, data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            elif not isinstance(nxt, dict):
+                raise RecipeError(".".join(parts[:i + 1]), f"is a value ({nxt!r}), cannot set a key under it")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def _model_at(path: tuple) -> type[ConfigModel] | None:
+    model: Any = Recipe
+    for p in path:
+        if isinstance(p, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(p)
+        if field is None:
+            return None
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, ConfigModel) else None
+        if model is None:
+            return None
+    return model
+
+
+def _explain(err: ValidationError) -> RecipeError:
+    e = err.errors()[0]
+    loc = tuple(e["loc"])
+    path = ".".join(str(p) for p in loc)
+    if e["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        known = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
+        hint = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?" if close else ""
+        return RecipeError(path, f"unknown key{hint} (known here: {', '.join(known)})")
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if loc:
+        got = e.get("input")
+        if not isinstance(got, dict):
+            msg = f"{msg} (got {got!r})"
+    return RecipeError(path, msg)
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) and apply overrides."""
+    path = Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml"
+    data = apply_overrides(_read_yaml(path), overrides or [])
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise _explain(err) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

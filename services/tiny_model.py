@@ -1,0 +1,142 @@
+"""Build a tiny random-init Hugging Face model and a locally trained tokenizer.
+
+No hub access: the tokenizer is a byte-level BPE (Qwen's pre-tokenizer regex,
+a few hundred tokens, ChatML chat template) trained on a small synthetic
+corpus, and the model is a random init of a real architecture (Qwen2, Llama or
+Qwen3-MoE) saved with ``save_pretrained`` as safetensors. Everything is
+deterministic for a given seed, so tests and the embedded default can rebuild
+the same model anywhere.
+
+Measured pitfalls this module avoids: transformers rebuilds a ``qwen2``
+tokenizer as ``Qwen2Tokenizer`` from vocab + merges, so a word-level
+``tokenizer.json`` gets silently mangled (we train a byte-level BPE with the
+same regex, which survives the rebuild); vLLM's CPU attention needs a
+head_dim of 32, 64, 80, 96, ... (we use 32 or more).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+ARCHS = ("qwen2", "llama", "qwen3_moe")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = (
+    "the a an and or but if then of to in on at by for with from up down is are was were be "
+    "have has had do does did will can i you he she it we they this that what which who where "
+    "when why how one two three four five six seven eight nine ten zero plus minus times equals "
+    "answer question think step solve number sum total add cat dog bird fish tree sun moon star "
+    "sky sea river red blue green black white big small old new good bad go went see saw make "
+    "take give find know say get run eat read write play work look want need like time day year "
+    "system user assistant hello yes no not all some many more repeat letter word only "
+    ". , ? ! : ; ( ) - + = * / 0 1 2 3 4 5 6 7 8 9"
+).split()
+
+# Model sizes. "tiny" is what CPU tests use; "0.6b" has Qwen3-0.6B-like dimensions for GPU benches.
+SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                 num_experts_per_tok=2),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, moe_intermediate_size=256, num_experts=8,
+                  num_experts_per_tok=2),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64, moe_intermediate_size=768, num_experts=64,
+                 num_experts_per_tok=8),
+}
+
+
+def _corpus(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(3000)]
+    for _ in range(1500):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append(f"What is {a} plus {b}? The answer is {a + b}.")
+    return lines
+
+
+def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 448, seed: int = 0):
+    """Train a byte-level BPE tokenizer with Qwen's regex and save it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _config(arch: str, vocab: int, size: str, tok, max_positions: int):
+    import transformers as tf
+
+    dims = dict(SIZES[size])
+    common = dict(vocab_size=vocab, hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
+                  num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
+                  max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=False,
+                  initializer_range=0.2 if size == "tiny" else 0.02, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, bos_token_id=None, rms_norm_eps=1e-6)
+    if arch == "qwen2":
+        cfg = tf.Qwen2Config(intermediate_size=dims["intermediate_size"], use_sliding_window=False, **common)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+    elif arch == "llama":
+        cfg = tf.LlamaConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],
+                             attention_bias=False, mlp_bias=False, hidden_act="silu", **common)
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],
+                                moe_intermediate_size=dims["moe_intermediate_size"], num_experts=dims["num_experts"],
+                                num_experts_per_tok=dims["num_experts_per_tok"], decoder_sparse_step=1,
+                                mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
+                                use_sliding_window=False, **common)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    return cfg
+
+
+def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen2", size: str = "tiny",
+                    dtype: str = "float32", max_positions: int = 2048, tokenizer_from: str | None = None) -> Path:
+    """Write a random-init model + tokenizer to ``out_dir`` and return it.
+
+    ``tokenizer_from`` reuses the tokenizer of another tiny model (so two
+    models with different seeds share token ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {tuple(SIZES)}, got {size!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from:
+        tok = AutoTokenizer.from_pretrained(tokenizer_from)
+        tok.save_pretrained(str(out))
+    else:
+        build_tokenizer(out, seed=0)
+        tok = AutoTokenizer.from_pretrained(str(out))
+    vocab = ((len(tok) + 63) // 64) * 64
+    cfg = _config(arch, vocab, size, tok, max_positions)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "inflight_tiny.json").write_text(json.dumps({"seed": seed, "arch": arch, "size": size, "dtype": dtype}))
+    return out
