@@ -1,5 +1,16 @@
 """The one error type that decoding and validation raise."""
 
+import reprlib
+
+_GOT_REPR = reprlib.Repr()
+_GOT_REPR.maxlevel = 3
+_GOT_REPR.maxstring = _GOT_REPR.maxother = 80
+_GOT_REPR.maxlist = _GOT_REPR.maxtuple = _GOT_REPR.maxdict = _GOT_REPR.maxset = 8
+_GOT_REPR.maxlong = 40
+"""Bounded repr for the offending value: a hostile message may carry a list
+nested a thousand levels deep or a megabyte string, and building the error
+message must neither recurse without bound nor copy the payload."""
+
 
 class ProtocolError(ValueError):
     """A message could not be decoded or failed validation.
@@ -12,7 +23,7 @@ class ProtocolError(ValueError):
         self.path = path
         self.expected = expected
         self.got = got
-        got_s = repr(got)
+        got_s = _GOT_REPR.repr(got)
         if len(got_s) > 120:
             got_s = got_s[:117] + "..."
         super().__init__(f"{path or '<message>'}: expected {expected}, got {got_s}")

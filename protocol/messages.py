@@ -10,6 +10,7 @@ log-probs) and come back as read-only views of the received buffer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
@@ -219,7 +220,9 @@ class TensorSpec:
         bucket = F.as_int(F.req(d, "bucket", path), f"{path}.bucket", 0)
         offset = F.as_int(F.req(d, "offset", path), f"{path}.offset", 0)
         nbytes = F.as_int(F.req(d, "nbytes", path), f"{path}.nbytes", 0)
-        expect = int(np.prod(shape, dtype=np.int64)) * dtype_itemsize(dtype)
+        # math.prod on Python ints: np.prod(dtype=int64) wraps silently, and a
+        # shape like (2**32, 2**32) would then "need" 0 bytes and pass.
+        expect = math.prod(shape) * dtype_itemsize(dtype)
         if nbytes != expect:
             raise ProtocolError(f"{path}.nbytes", f"{expect} (= prod(shape) x itemsize of {dtype})", nbytes)
         return cls(name, dtype, shape, bucket, offset, nbytes)
