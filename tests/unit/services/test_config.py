@@ -1,0 +1,112 @@
+"""Recipe loading: defaults, overrides, bounds, cross-field checks, clear errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.config import RECIPES_DIR, RecipeError, Recipe, load_recipe
+
+ALL_RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path):
+    assert isinstance(load_recipe(path), Recipe)
+
+
+def test_async_seed_recipe_matches_the_seed():
+    r = load_recipe(RECIPES_DIR / "grpo-32gpu-async-1off.yaml")
+    assert r.grpo.async_grpo.enabled and r.grpo.async_grpo.max_trajectory_age_steps == 1
+    assert r.grpo.async_grpo.in_flight_weight_updates
+    assert (r.grpo.num_prompts_per_step, r.grpo.num_generations_per_prompt) == (64, 16)
+    p = r.policy
+    assert (p.max_total_sequence_length, p.generation.max_new_tokens, p.sequence_packing.train_mb_tokens) == (8192, 4096, 10240)
+    assert (p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.expert_model_parallel_size) == (1, 8)
+    assert not p.megatron_cfg.activation_checkpointing
+    v = p.generation.vllm_cfg
+    assert (v.tensor_parallel_size, v.expert_parallel_size, v.enforce_eager, v.max_num_seqs) == (2, 2, False, 128)
+    assert (v.moe_backend, v.all2all_backend) == ("flashinfer_cutlass", "flashinfer_nvlink_one_sided")
+    assert r.learner_gpus == 16 and r.rollout_pool.num_engines * 2 == 16
+
+
+def test_sync_seed_recipe_is_colocated_on_32_gpus():
+    r = load_recipe(RECIPES_DIR / "grpo-32gpu-sync-colocated.yaml")
+    assert not r.grpo.async_grpo.enabled and r.policy.generation.colocated.enabled
+    assert r.cluster.num_nodes * r.cluster.gpus_per_node == 32 and r.learner_gpus == 32
+
+
+def test_overrides_are_typed_and_applied():
+    r = load_recipe(None, ["grpo.async_grpo.enabled=false", "policy.megatron_cfg.optimizer.lr=1e-4",
+                           "policy.generation.stop_strings=['</answer>']"])
+    assert r.grpo.async_grpo.enabled is False
+    assert r.policy.megatron_cfg.optimizer.lr == pytest.approx(1e-4)
+    assert r.policy.generation.stop_strings == ["</answer>"]
+
+
+@pytest.mark.parametrize("override, path, words", [
+    ("grpo.num_generations_per_prompt=0", "grpo.num_generations_per_prompt", "greater than or equal to 2"),
+    ("grpo.num_generation_per_prompt=4", "grpo.num_generation_per_prompt", "did you mean 'grpo.num_generations_per_prompt'"),
+    ("policy.megatron_cfg.optimizer.lr=fast", "policy.megatron_cfg.optimizer.lr", "valid number"),
+    ("loss_fn.ratio_clip_min=2", "loss_fn.ratio_clip_min", "less than or equal to 1"),
+    ("policy.generation.temperature=0", "policy.generation", "temperature > 0"),
+])
+def test_bad_values_name_the_key(override, path, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [override])
+    assert err.value.path == path
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["policy.generation.max_new_tokens=200"], "max_new_tokens (200) must be < policy.max_total_sequence_length"),
+    (["policy.sequence_packing.train_mb_tokens=64"], "train_mb_tokens (64) must be >= policy.max_total_sequence_length"),
+    (["policy.generation.colocated.enabled=true"], "requires policy.generation.colocated.enabled=false"),
+    (["loss_fn.use_importance_sampling_correction=false"], "requires loss_fn.use_importance_sampling_correction"),
+    (["cluster.gpus_per_node=4", "rollout_pool.num_engines=8"], "no GPUs left for the learner"),
+])
+def test_contradictions_are_rejected(overrides, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, overrides)
+    assert words in str(err.value)
+
+
+def test_gpu_totals_must_add_up():
+    with pytest.raises(RecipeError, match="must equal num_nodes x gpus_per_node"):
+        load_recipe(RECIPES_DIR / "grpo-32gpu-async-1off.yaml", ["rollout_pool.learner_gpus=8"])
+    with pytest.raises(RecipeError, match="expert_model_parallel_size"):
+        load_recipe(RECIPES_DIR / "grpo-32gpu-async-1off.yaml", ["policy.megatron_cfg.expert_model_parallel_size=32"])
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path):
+    with pytest.raises(RecipeError, match="cannot read recipe"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(RecipeError, match="mapping at the top level"):
+        load_recipe(top)
+
+
+def test_defaults_inherit_and_cycles_are_caught(tmp_path: Path):
+    (tmp_path / "base.yaml").write_text("grpo:\n  num_prompts_per_step: 3\n  max_num_steps: 7\n")
+    (tmp_path / "child.yaml").write_text("defaults: base.yaml\ngrpo:\n  max_num_steps: 9\n")
+    r = load_recipe(tmp_path / "child.yaml")
+    assert (r.grpo.num_prompts_per_step, r.grpo.max_num_steps) == (3, 9)
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_every_field_has_a_description():
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+    walk(Recipe)
