@@ -189,6 +189,8 @@ class PromptRequest:
                 raise ProtocolError(f"{F._join(path, 'task')}.{k}", "a string or number", type(v).__name__)
             if isinstance(v, str):
                 F.as_str(v, f"{F._join(path, 'task')}.{k}")
+            elif isinstance(v, float):
+                F.as_float(v, f"{F._join(path, 'task')}.{k}")  # NaN/inf: no reward fn wants them
         step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
         return cls(pid, ids, task, step)
 
@@ -324,6 +326,8 @@ class ControlMessage:
         for k, v in payload.items():
             if not isinstance(v, (str, int, float, bool, type(None))):
                 raise ProtocolError(f"{F._join(path, 'payload')}.{k}", "a scalar", type(v).__name__)
+            if isinstance(v, float):
+                F.as_float(v, f"{F._join(path, 'payload')}.{k}")
         sent_at = F.as_float(F.req(d, "sent_at", path), F._join(path, "sent_at"))
         return cls(action, payload, sent_at)
 
