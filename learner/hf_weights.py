@@ -1,0 +1,328 @@
+"""Hugging Face safetensors ⇄ Megatron-Core ``GPTModel`` (local spec) weights.
+
+Import (:func:`load_hf_weights`): every Megatron parameter of this rank is
+built from the HF tensors it covers, already sliced for this rank:
+
+* ``linear_qkv`` fuses q/k/v **per query group**: for each of the
+  ``num_key_value_heads`` groups, its ``heads/groups`` query heads, then its
+  key head, then its value head (rows of ``head_dim``). Tensor parallelism
+  splits the groups, so rank r holds groups ``[r·G/T, (r+1)·G/T)``.
+* ``linear_fc1`` of a SwiGLU MLP is ``[gate_r; up_r]`` — each TP rank holds
+  its slice of gate followed by its slice of up.
+* column-parallel weights (embedding, lm head, qkv, fc1) split rows,
+  row-parallel ones (``linear_proj``, ``linear_fc2``) split columns; norms
+  and the MoE router are replicated.
+* MoE experts are whole on one expert-parallel rank: local expert j of EP
+  rank e is global expert ``e·(E/EP) + j``.
+
+Export (:func:`export_hf_state_dict`): a collective over the TP and EP
+groups that gathers every parameter, undoes the fusions and, on global
+rank 0, returns the tensors under the exact names, dtypes and shapes of the
+source checkpoint (:class:`HFTensorMeta`), in its order. :func:`pack_hf_buckets`
+cuts them into ``protocol`` weight buckets; :func:`save_hf` writes a
+loadable HF directory.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.model import HFArchitecture
+from protocol.messages import WeightBucket, WeightManifest
+from protocol.weights import pack_buckets
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class HFTensorMeta:
+    """Name, dtype string and shape of one tensor of the source HF checkpoint."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits in the tensor- and expert-parallel groups."""
+
+    tp_rank: int
+    tp_size: int
+    ep_rank: int
+    ep_size: int
+
+    @classmethod
+    def current(cls) -> "ParallelLayout":
+        from megatron.core import parallel_state as ps
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+
+
+def _safetensors_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_path / s for s in shards]
+    single = model_path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"model_path: no model.safetensors(.index.json) in {model_path}")
+    return [single]
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded)."""
+
+    def __init__(self, model_path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(model_path)
+        self._handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(self.path)]
+        self._where: dict[str, int] = {}
+        metas: list[HFTensorMeta] = []
+        for i, h in enumerate(self._handles):
+            for name in h.keys():
+                sl = h.get_slice(name)
+                dtype = _ST_DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                self._where[name] = i
+                metas.append(HFTensorMeta(name, dtype, tuple(int(s) for s in sl.get_shape())))
+        self.metas = metas
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.path}: HF checkpoint has no tensor {name!r}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- import
+
+def _qkv_full(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Interleave q/k/v (weights [out, in] or biases [out]) per query group: [G, (h/G + 2)·d, ...]."""
+    g, d = arch.num_key_value_heads, arch.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, arch.num_attention_heads // g * d, *rest)
+    k = k.reshape(g, d, *rest)
+    v = v.reshape(g, d, *rest)
+    return torch.cat([q, k, v], dim=1)
+
+
+def _chunk(t: torch.Tensor, parts: int, index: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] % parts:
+        raise ValueError(f"cannot split a dimension of {t.shape[dim]} into {parts} tensor-parallel shards")
+    return t.chunk(parts, dim=dim)[index]
+
+
+def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str], torch.Tensor],
+                 lay: ParallelLayout) -> torch.Tensor:
+    p = f"model.layers.{layer}."
+    tp, r = lay.tp_size, lay.tp_rank
+    if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+        return hf(p + ("input_layernorm.weight" if rest.startswith("input") else "post_attention_layernorm.weight"))
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        full = _qkv_full(arch, *(hf(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"))
+        return _chunk(full, tp, r, 0).reshape(-1, *full.shape[2:])
+    if rest == "self_attention.q_layernorm.weight":
+        return hf(p + "self_attn.q_norm.weight")
+    if rest == "self_attention.k_layernorm.weight":
+        return hf(p + "self_attn.k_norm.weight")
+    if rest == "self_attention.linear_proj.weight":
+        return _chunk(hf(p + "self_attn.o_proj.weight"), tp, r, 1)
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([_chunk(hf(p + "mlp.gate_proj.weight"), tp, r, 0),
+                          _chunk(hf(p + "mlp.up_proj.weight"), tp, r, 0)])
+    if rest == "mlp.linear_fc2.weight":
+        return _chunk(hf(p + "mlp.down_proj.weight"), tp, r, 1)
+    if rest == "mlp.router.weight":
+        return hf(p + "mlp.gate.weight")
+    m = _EXPERT.match(rest)
+    if m:
+        expert = lay.ep_rank * (arch.num_experts // lay.ep_size) + int(m.group(1))
+        e = f"{p}mlp.experts.{expert}."
+        if m.group(2) == "linear_fc1":
+            return torch.cat([hf(e + "gate_proj.weight"), hf(e + "up_proj.weight")])
+        return hf(e + "down_proj.weight")
+    raise KeyError(f"no HF mapping for Megatron parameter decoder.layers.{layer}.{rest}")
+
+
+def megatron_shard_from_hf(name: str, arch: HFArchitecture, hf: Callable[[str], torch.Tensor],
+                           lay: ParallelLayout) -> torch.Tensor:
+    """The value of Megatron parameter ``name`` on the rank described by ``lay``."""
+    if name == "embedding.word_embeddings.weight":
+        return _chunk(hf("model.embed_tokens.weight"), lay.tp_size, lay.tp_rank, 0)
+    if name == "output_layer.weight":
+        return _chunk(hf("lm_head.weight"), lay.tp_size, lay.tp_rank, 0)
+    if name == "decoder.final_layernorm.weight":
+        return hf("model.norm.weight")
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF mapping for Megatron parameter {name}")
+    return _layer_shard(arch, int(m.group(1)), m.group(2), hf, lay)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: str | Path) -> list[HFTensorMeta]:
+    """Copy the HF checkpoint at ``model_path`` into ``model`` (the bare ``GPTModel``) on this rank.
+
+    Returns the source checkpoint's tensor list (names, dtypes, shapes), which
+    export reproduces."""
+    ckpt = HFCheckpoint(model_path)
+    lay = ParallelLayout.current()
+    for name, param in model.named_parameters():
+        value = megatron_shard_from_hf(name, arch, ckpt.get, lay)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: HF tensors give shape {tuple(value.shape)}, "
+                             f"Megatron expects {tuple(param.shape)}")
+        param.copy_(value.to(param.device))
+    return ckpt.metas
+
+
+# ----------------------------------------------------------------------------- export
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _split_qkv(arch: HFArchitecture, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = arch.num_key_value_heads, arch.head_dim
+    rest = fused.shape[1:]
+    grouped = fused.reshape(g, -1, *rest)
+    q, k, v = torch.split(grouped, [arch.num_attention_heads // g * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_tensors_from_shards(name: str, arch: HFArchitecture, shards: list[torch.Tensor],
+                           expert: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Invert :func:`megatron_shard_from_hf`: TP shards (rank order) of ``name`` → HF tensors.
+
+    For an expert parameter ``shards`` is the single whole tensor and
+    ``expert`` its global index."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", torch.cat(shards))]
+    if name == "output_layer.weight":
+        return [("lm_head.weight", torch.cat(shards))]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", shards[0])]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF mapping for Megatron parameter {name}")
+    p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    simple = {"input_layernorm.weight": "input_layernorm.weight",
+              "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+              "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+              "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+              "mlp.router.weight": "mlp.gate.weight"}
+    if rest in simple:
+        return [(p + simple[rest], shards[0])]
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(arch, torch.cat(shards))
+        return [(f"{p}self_attn.q_proj.{kind}", q), (f"{p}self_attn.k_proj.{kind}", k),
+                (f"{p}self_attn.v_proj.{kind}", v)]
+    if rest == "self_attention.linear_proj.weight":
+        return [(p + "self_attn.o_proj.weight", torch.cat(shards, dim=1))]
+    if rest == "mlp.linear_fc1.weight":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(p + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
+                (p + "mlp.up_proj.weight", torch.cat([h[1] for h in halves]))]
+    if rest == "mlp.linear_fc2.weight":
+        return [(p + "mlp.down_proj.weight", torch.cat(shards, dim=1))]
+    em = _EXPERT.match(rest)
+    if em and expert is not None:
+        e = f"{p}mlp.experts.{expert}."
+        if em.group(2) == "linear_fc1":
+            gate, up = shards[0].chunk(2, dim=0)
+            return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
+        return [(e + "down_proj.weight", shards[0])]
+    raise KeyError(f"no HF mapping for Megatron parameter {name}")
+
+
+@torch.no_grad()
+def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
+                         metas: list[HFTensorMeta]) -> dict[str, torch.Tensor] | None:
+    """Gather ``model`` into HF tensors named, typed and shaped as ``metas`` (in that order).
+
+    Collective: every rank of the TP and EP groups must call it. Global rank 0
+    gets the CPU state dict; the other ranks get None."""
+    from megatron.core import parallel_state as ps
+
+    lay = ParallelLayout.current()
+    tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
+    is_root = dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        em = _LAYER.match(name)
+        local_expert = _EXPERT.match(em.group(2)) if em else None
+        if local_expert:
+            per_rank = arch.num_experts // lay.ep_size
+            for ep_rank, whole in enumerate(_all_gather(param.detach(), ep_group)):
+                expert = ep_rank * per_rank + int(local_expert.group(1))
+                if is_root:
+                    out.update(hf_tensors_from_shards(name, arch, [whole.cpu()], expert))
+            continue
+        split = getattr(param, "tensor_model_parallel", False) and lay.tp_size > 1
+        shards = _all_gather(param.detach(), tp_group) if split else [param.detach()]
+        if is_root:
+            out.update(hf_tensors_from_shards(name, arch, [s.cpu() for s in shards]))
+    if not is_root:
+        return None
+    return _match_source(out, metas)
+
+
+def _match_source(tensors: dict[str, torch.Tensor], metas: list[HFTensorMeta]) -> dict[str, torch.Tensor]:
+    want = {m.name for m in metas}
+    missing, extra = sorted(want - tensors.keys()), sorted(tensors.keys() - want)
+    if missing or extra:
+        raise ValueError(f"exported tensors differ from the source checkpoint: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    result: dict[str, torch.Tensor] = {}
+    for m in metas:
+        t = tensors[m.name]
+        if tuple(t.shape) != m.shape:
+            raise ValueError(f"exported {m.name}: shape {tuple(t.shape)}, source checkpoint has {m.shape}")
+        result[m.name] = t.to(_TORCH_DTYPES[m.dtype]).contiguous()
+    return result
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def pack_hf_buckets(state: dict[str, torch.Tensor], metas: list[HFTensorMeta], version: int,
+                    bucket_bytes: int) -> tuple[WeightManifest, list[WeightBucket]]:
+    """Cut an exported HF state dict into weight buckets of at most ``bucket_bytes`` (bf16 as raw bytes)."""
+    return pack_buckets(((m.name, m.dtype, m.shape, _raw_bytes(state[m.name])) for m in metas),
+                        version=version, bucket_bytes=bucket_bytes)
+
+
+def save_hf(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path) -> None:
+    """Write ``state`` as ``model.safetensors`` plus every non-weight file of ``source_dir``
+    (config, generation config, tokenizer) into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    src, out = Path(source_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not any(f.match(p) for p in _WEIGHT_FILES):
+            shutil.copy2(f, out / f.name)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

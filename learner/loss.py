@@ -1,0 +1,160 @@
+"""The GRPO loss, its advantages and its metrics.
+
+Advantages (per group of answers to one prompt, failed samples excluded)::
+
+    A_i = (r_i - mean(r)) / (std(r) + 1e-6)     # std: sample std (Bessel), as NeMo-RL
+    A_i = r_i - mean(r)                         # normalize_rewards=False
+
+A group whose rewards are all equal (or that has a single valid answer) has
+no learning signal: its advantages are exactly 0 and it is counted in
+``zero_advantage_groups``.
+
+Per response token t, with ρ = π_θ/π_prev = exp(lp_θ − lp_prev)::
+
+    surrogate_t = min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    w_t         = min(π_prev/π_gen, c)                  # "tis"
+                = π_prev/π_gen if 1/c ≤ it ≤ c else 0   # "icepop"
+                = 1                                     # correction off
+    kl_t        = exp(lp_ref − lp_θ) − (lp_ref − lp_θ) − 1   # k3 estimate of KL(π_θ‖π_ref)
+    loss_t      = −w_t·surrogate_t + β·kl_t
+
+and the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
+the **global** batch (N counted over all micro-batches and data-parallel
+ranks), so each micro-batch contributes ``Σ_{t∈mb} loss_t / N`` and the
+gradients add up to those of one global masked mean. w is a constant
+(no gradient).
+
+Metrics (masked means over the same tokens; k3(p→q) = exp(q − p) − (q − p) − 1
+with p the log-prob of the policy the token was sampled from):
+
+* ``gen_kl_error``   = mean k3(lp_gen → lp_prev), estimates KL(π_gen‖π_prev);
+* ``policy_kl_error`` = mean k3(lp_prev → lp_θ), estimates KL(π_prev‖π_θ)
+  (π_θ from the training forward, before the update);
+* ``token_mult_prob_error`` = mean exp(|lp_prev − lp_gen|) (NeMo-RL), 1 when equal;
+* ``probs_ratio_{mean,min,max}`` of ρ; ``is_weight_{mean,max}`` of w.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from learner.config import LossConfig
+
+ADVANTAGE_EPS = 1e-6
+PART_KEYS = ("ratio", "is_weight", "gen_kl", "policy_kl", "mult_prob_error")
+
+
+def group_advantages(rewards: list[float], normalize: bool) -> tuple[np.ndarray, bool]:
+    """Advantages of one group's valid samples, and whether the group has no signal (all zero)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size < 2 or np.all(r == r[0]):
+        return np.zeros(r.size, dtype=np.float32), True
+    centred = r - r.mean()
+    if normalize:
+        centred = centred / (r.std(ddof=1) + ADVANTAGE_EPS)
+    return centred.astype(np.float32), False
+
+
+def k3(lp_sampler: torch.Tensor, lp_other: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(sampler‖other) at tokens drawn from the sampler."""
+    d = lp_other - lp_sampler
+    return torch.exp(d) - d - 1.0
+
+
+def importance_weights(lp_prev: torch.Tensor, lp_gen: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """w = π_prev/π_gen, truncated ("tis") or masked outside [1/c, c] ("icepop"); 1 when off."""
+    if not cfg.use_importance_sampling_correction:
+        return torch.ones_like(lp_prev)
+    ratio = torch.exp(lp_prev - lp_gen)
+    c = cfg.truncated_importance_sampling_ratio
+    if cfg.truncated_importance_sampling_type == "tis":
+        return torch.clamp(ratio, max=c)
+    inside = (ratio >= 1.0 / c) & (ratio <= c)
+    return torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+@dataclass
+class TokenInputs:
+    """Per-token inputs of the loss for one micro-batch's valid response tokens (1-D, equal length)."""
+
+    lp_prev: torch.Tensor
+    lp_gen: torch.Tensor
+    advantages: torch.Tensor
+    lp_ref: torch.Tensor | None = None
+
+
+def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss_t for every token (differentiable in ``lp``) and the per-token quantities the metrics need."""
+    ratio = torch.exp(lp - x.lp_prev)
+    clipped = torch.clamp(ratio, 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    surrogate = torch.minimum(ratio * x.advantages, clipped * x.advantages)
+    w = importance_weights(x.lp_prev, x.lp_gen, cfg).detach()
+    loss = -w * surrogate
+    if cfg.reference_policy_kl_penalty > 0:
+        if x.lp_ref is None:
+            raise ValueError("reference_policy_kl_penalty > 0 needs the reference policy's log-probs (lp_ref)")
+        loss = loss + cfg.reference_policy_kl_penalty * k3(lp, x.lp_ref)
+    with torch.no_grad():
+        parts = {"ratio": ratio.detach(), "is_weight": w,
+                 "gen_kl": k3(x.lp_gen, x.lp_prev), "policy_kl": k3(x.lp_prev, lp.detach()),
+                 "mult_prob_error": torch.exp(torch.abs(x.lp_prev - x.lp_gen))}
+    return loss, parts
+
+
+@dataclass
+class LossStats:
+    """Accumulates the per-token metric quantities of a step over micro-batches (and ranks)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+    maxs: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    loss: float = 0.0
+
+    def add(self, parts: dict[str, torch.Tensor], mb_loss: float) -> None:
+        self.loss += mb_loss
+        n = 0
+        for k, v in parts.items():
+            n = int(v.numel())
+            if n == 0:
+                continue
+            self.sums[k] = self.sums.get(k, 0.0) + float(v.double().sum())
+            self.mins[k] = min(self.mins.get(k, float("inf")), float(v.min()))
+            self.maxs[k] = max(self.maxs.get(k, float("-inf")), float(v.max()))
+        self.tokens += n
+
+    def all_reduce(self, group) -> None:
+        """Combine the statistics of every rank of ``group`` (sums add, min/max reduce)."""
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) == 1:
+            return
+        keys = sorted(PART_KEYS)
+        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [self.tokens, self.loss], dtype=torch.float64)
+        mins = torch.tensor([self.mins.get(k, float("inf")) for k in keys], dtype=torch.float64)
+        maxs = torch.tensor([self.maxs.get(k, float("-inf")) for k in keys], dtype=torch.float64)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
+        self.tokens, self.loss = int(sums[-2]), float(sums[-1])
+        self.sums = {k: float(v) for k, v in zip(keys, sums[:-2])}
+        self.mins = {k: float(v) for k, v in zip(keys, mins) if v != float("inf")}
+        self.maxs = {k: float(v) for k, v in zip(keys, maxs) if v != float("-inf")}
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        mean = {k: s / n for k, s in self.sums.items()}
+        return {
+            "loss": self.loss,
+            "gen_kl_error": mean.get("gen_kl", 0.0),
+            "policy_kl_error": mean.get("policy_kl", 0.0),
+            "token_mult_prob_error": mean.get("mult_prob_error", 1.0),
+            "probs_ratio_mean": mean.get("ratio", 1.0),
+            "probs_ratio_min": self.mins.get("ratio", 1.0),
+            "probs_ratio_max": self.maxs.get("ratio", 1.0),
+            "is_weight_mean": mean.get("is_weight", 1.0),
+            "is_weight_max": self.maxs.get("is_weight", 1.0),
+            "num_valid_tokens": float(self.tokens),
+        }

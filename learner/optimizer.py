@@ -1,0 +1,111 @@
+"""AdamW, gradient clipping and the learning-rate schedule through Megatron-Core.
+
+The model is wrapped in Megatron's ``DistributedDataParallel`` (contiguous
+gradient buffers, gradients summed over data-parallel ranks — the loss is
+already divided by the global token count, so ``calculate_per_token_loss`` is
+set on the model config and DDP does not average again). The optimizer is
+``get_megatron_optimizer`` (AdamW with decoupled weight decay, global-norm
+clipping at ``clip_grad``; the ``DistributedOptimizer`` shards fp32 master
+weights and Adam moments over data-parallel ranks when
+``use_distributed_optimizer``), and the schedule is Megatron's
+``OptimizerParamScheduler`` (linear warm-up, then constant / linear / cosine
+decay to ``min_lr``).
+
+Every Megatron optimizer call runs inside :func:`learner.cpu_compat.device_redirect`,
+which is the CPU redirection on a CPU-only machine and nothing on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from learner.config import OptimizerConfig
+from learner.cpu_compat import device_redirect
+
+
+def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool):
+    """Megatron DDP around ``model`` (no overlap: one synchronous reduction per step)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer,
+                                               check_for_nan_in_grad=False, bucket_size=None)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+@dataclass
+class OptimizerStack:
+    """The Megatron optimizer and its LR scheduler."""
+
+    optimizer: object
+    scheduler: object
+
+    def step(self) -> tuple[bool, float]:
+        """Apply one update; returns (applied, grad_norm before clipping)."""
+        with device_redirect():
+            applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=1)
+        return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
+
+    def zero_grad(self) -> None:
+        with device_redirect():
+            self.optimizer.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def inner_state(self) -> dict:
+        """Exact per-rank optimizer state: the inner torch optimizer's state and its (master) parameters.
+
+        The inner optimizer's parameters are the fp32 master weights (or the
+        model's own parameters in plain fp32), so saving them plus its state
+        restores every bit of the update that follows."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return {"optimizers": [
+            {"torch_state": opt.optimizer.state_dict(),
+             "params": [p.detach().clone() for g in opt.optimizer.param_groups for p in g["params"]]}
+            for opt in chained], "scheduler": self.scheduler.state_dict()}
+
+    @torch.no_grad()
+    def load_inner_state(self, state: dict) -> None:
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if len(chained) != len(state["optimizers"]):
+            raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this learner {len(chained)}")
+        for opt, saved in zip(chained, state["optimizers"]):
+            params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+            if len(params) != len(saved["params"]):
+                raise ValueError(f"checkpoint optimizer has {len(saved['params'])} parameters, "
+                                 f"this learner {len(params)}")
+            for p, v in zip(params, saved["params"]):
+                p.copy_(v)
+            opt.optimizer.load_state_dict(saved["torch_state"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerStack:
+    """Megatron AdamW + schedule for ``ddp_model`` as configured by ``cfg``."""
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    mcfg = McoreOptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
+        decoupled_weight_decay=True, bf16=bf16, fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    with device_redirect():
+        optimizer = get_megatron_optimizer(mcfg, [ddp_model])
+    if cfg.lr_decay_style != "constant" and cfg.lr_decay_steps is None:
+        raise ValueError(f"lr_decay_steps: required for lr_decay_style={cfg.lr_decay_style!r}")
+    decay_steps = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
+    if cfg.lr_warmup_steps >= decay_steps:
+        raise ValueError(f"lr_warmup_steps ({cfg.lr_warmup_steps}) must be < lr_decay_steps ({decay_steps})")
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+    return OptimizerStack(optimizer, scheduler)
