@@ -1,6 +1,11 @@
 """``inflight`` command line.
 
-    inflight validate --recipe PATH [key=value ...]   print the resolved recipe
+    inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [key=value ...]
+    inflight pool deploy --recipe PATH [--name N] [key=value ...]
+    inflight pool status [--name N]
+    inflight pool shutdown [--name N] [--stop-cluster]
+    inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]
+    inflight validate --recipe PATH [key=value ...]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|llama|qwen3_moe] [--size tiny|small|0.6b]
 
 User errors (bad recipe, bad arguments) print one line and exit 2; no traceback.
@@ -8,16 +13,21 @@ User errors (bad recipe, bad arguments) print one line and exit 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from services.config import RecipeError, load_recipe, recipe_to_yaml
 
 EXIT_USER_ERROR = 2
 
 
+def _recipe(args, extra: list[str] | None = None):
+    return load_recipe(args.recipe, list(args.overrides) + (extra or []))
+
+
 def _cmd_validate(args) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
-    sys.stdout.write(recipe_to_yaml(recipe))
+    sys.stdout.write(recipe_to_yaml(_recipe(args)))
     return 0
 
 
@@ -29,15 +39,109 @@ def _cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def _cmd_run(args) -> int:
+    from services.app import run_embedded
+
+    extra = [f"grpo.max_num_steps={args.steps}"] if args.steps else []
+    recipe = _recipe(args, extra)
+    run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    run_embedded(recipe, run_dir)
+    return 0
+
+
+def _cmd_pool_deploy(args) -> int:
+    from services import cluster, ray_runtime
+    from services.app import deploy_pool
+
+    recipe = _recipe(args, [f"rollout_pool.name={args.name}"] if args.name else [])
+    ray_runtime.connect(cluster.ensure_cluster())
+    status = deploy_pool(recipe, Path(args.run_dir or recipe.logger.log_dir))
+    print(json.dumps(status, indent=2, default=str))
+    return 0
+
+
+def _cmd_pool_status(args) -> int:
+    from services import cluster, pool, ray_runtime
+
+    ray_runtime.connect(_require_cluster(cluster))
+    print(json.dumps(pool.connect(args.name).status.remote().result(timeout_s=60), indent=2, default=str))
+    return 0
+
+
+def _cmd_pool_shutdown(args) -> int:
+    from services import cluster, pool, ray_runtime
+
+    ray_runtime.connect(_require_cluster(cluster))
+    pool.shutdown(args.name)
+    print(f"pool {args.name!r} shut down")
+    if args.stop_cluster:
+        ray_runtime.shutdown()
+        cluster.stop_cluster()
+        print("local Ray cluster stopped")
+    return 0
+
+
+def _cmd_learner_attach(args) -> int:
+    from services import cluster, ray_runtime
+    from services.app import run_learner
+
+    recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
+    ray_runtime.connect(_require_cluster(cluster))
+    run_learner(recipe, args.pool, Path(args.run_dir or recipe.logger.log_dir), resume=True)
+    return 0
+
+
+def _require_cluster(cluster) -> str:
+    addr = cluster.known_address()
+    if not addr:
+        raise UserError("no Ray cluster: set RAY_ADDRESS or run `inflight pool deploy` first")
+    return addr
+
+
+class UserError(Exception):
+    """A mistake in how the command was called."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.tiny_model import ARCHS, SIZES
 
     p = argparse.ArgumentParser(prog="inflight", description="Asynchronous GRPO: vLLM rollout pool + Megatron learner.")
     sub = p.add_subparsers(dest="command", required=True)
 
+    def recipe_args(sp, required=False):
+        sp.add_argument("--recipe", default=None, required=required,
+                        help="recipe YAML (default: recipes/tiny-cpu.yaml)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.async_grpo.enabled=true")
+
+    r = sub.add_parser("run", help="run the whole loop on this machine (local Ray, pool, learner)")
+    recipe_args(r)
+    r.add_argument("--steps", type=int, default=None, help="override grpo.max_num_steps")
+    r.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default: logger.log_dir)")
+    r.set_defaults(func=_cmd_run)
+
+    pool = sub.add_parser("pool", help="the long-lived rollout pool").add_subparsers(dest="pool_cmd", required=True)
+    d = pool.add_parser("deploy", help="deploy a rollout pool (starts a local Ray cluster if none is given)")
+    recipe_args(d)
+    d.add_argument("--name", default=None, help="pool name (default: rollout_pool.name)")
+    d.add_argument("--run-dir", default=None)
+    d.set_defaults(func=_cmd_pool_deploy)
+    s = pool.add_parser("status", help="print a pool's status as JSON")
+    s.add_argument("--name", default="inflight-pool")
+    s.set_defaults(func=_cmd_pool_status)
+    x = pool.add_parser("shutdown", help="stop a pool's engines and delete it")
+    x.add_argument("--name", default="inflight-pool")
+    x.add_argument("--stop-cluster", action="store_true", help="also stop the local Ray cluster deploy started")
+    x.set_defaults(func=_cmd_pool_shutdown)
+
+    learner = sub.add_parser("learner", help="learner jobs").add_subparsers(dest="learner_cmd", required=True)
+    a = learner.add_parser("attach", help="attach a learner to a pool and train (resumes from run-dir)")
+    recipe_args(a)
+    a.add_argument("--pool", required=True, help="name of the pool to attach to")
+    a.add_argument("--run-dir", default=None)
+    a.set_defaults(func=_cmd_learner_attach)
+
     v = sub.add_parser("validate", help="load a recipe, apply overrides, print the result")
-    v.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/tiny-cpu.yaml)")
-    v.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.async_grpo.enabled=true")
+    recipe_args(v)
     v.set_defaults(func=_cmd_validate)
 
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
@@ -55,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except RecipeError as err:
-        print(f"inflight: recipe error: {err}", file=sys.stderr)
+    except (RecipeError, UserError) as err:
+        print(f"inflight: {'recipe error: ' if isinstance(err, RecipeError) else ''}{err}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

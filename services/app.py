@@ -1,0 +1,81 @@
+"""What the CLI commands do, as plain functions (the CLI only parses arguments).
+
+- ``run_embedded``: the whole loop on one machine (local Ray, pool, learner).
+- ``deploy_pool`` / ``pool_status`` / ``shutdown_pool``: the long-lived pool.
+- ``attach_learner``: a learner job against a running pool (resumes from its
+  run directory's last checkpoint if there is one).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from services import pool as pool_api
+from services import ray_runtime
+from services.learner_actor import LearnerGroup
+from services.model_source import resolve_model
+
+
+def admin_token(recipe, run_dir: Path | None = None) -> str:
+    """The bearer token for admin endpoints: from the environment, else a new one saved (0600) in run_dir."""
+    token = os.environ.get(recipe.rollout_pool.admin_token_env)
+    if token:
+        return token
+    token = secrets.token_urlsafe(24)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "admin_token"
+        path.write_text(token)
+        path.chmod(0o600)
+    return token
+
+
+def deploy_pool(recipe, run_dir: Path | None = None) -> dict:
+    model_path = resolve_model(recipe.policy.model_name)
+    status = pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))
+    return status
+
+
+def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
+    """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file."""
+    from services.job import LearnerJob
+    from services.loop_async import run_async
+    from services.loop_sync import run_sync
+
+    model_path = resolve_model(recipe.policy.model_name)
+    handle = pool_api.connect(pool_name)
+    learner = LearnerGroup(recipe, model_path)
+    job = LearnerJob(recipe, model_path, handle, learner, run_dir, resume=resume)
+    try:
+        if recipe.grpo.async_grpo.enabled:
+            run_async(job)
+        else:
+            run_sync(job, colocated=recipe.policy.generation.colocated.enabled and recipe.cluster.gpus_per_node > 0)
+        mode = "async 1-off" if recipe.grpo.async_grpo.enabled else "sync"
+        print("\nStep-time breakdown (means over warm steps):\n" + job.log.timing_table(mode))
+        print("\nFunctional validation:\n" + job.log.validation_table(mode))
+        print(f"\nledger: {job.ledger.summary()}")
+        png = job.log.plot_rewards()
+        print(f"metrics: {job.log.path}\nreward curve: {png}")
+        return job.log.path
+    finally:
+        job.close()
+        learner.shutdown()
+
+
+def run_embedded(recipe, run_dir: Path) -> Path:
+    """``inflight run``: local Ray + pool + learner on this machine, torn down at the end."""
+    ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
+    try:
+        status = deploy_pool(recipe, run_dir)
+        print(f"rollout pool {status['name']!r} ready at version {status['version']}; "
+              f"metrics: {status['http']}/metrics  health: {status['http']}/healthz  ready: {status['http']}/readyz",
+              file=sys.stderr)
+        return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=False)
+    finally:
+        try:
+            pool_api.shutdown(recipe.rollout_pool.name)
+        finally:
+            ray_runtime.shutdown()

@@ -1,0 +1,106 @@
+"""A Ray actor hosting one :class:`rollout.engine.RolloutEngine`.
+
+The pool creates ``num_engines`` of these (named, detached, restarted by Ray
+if their process dies). ``submit`` starts generation of a batch of prompts
+and returns at once; each finished group is encoded with the protocol codec
+and sent into the learner's trajectory channel as soon as it completes. A
+prompt whose generation fails entirely is reported on the same channel as a
+``ControlMessage(action="error")`` naming the prompt, so the learner can
+account for it (invariant 3: trained once, or dropped with a reason).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
+
+log = logging.getLogger("inflight.engine")
+
+
+class EngineActor:
+    def __init__(self, engine_id: str, model_path: str, generation_json: str, max_model_len: int,
+                 reward_fn: str, reward_timeout_s: float, recompute_kv: bool, channel_timeout_s: float):
+        from rollout.config import GenerationConfig
+        from rollout.engine import RolloutEngine
+        from rollout.rewards import get_reward_fn
+
+        self.engine_id = engine_id
+        self.engine = RolloutEngine(model_path, GenerationConfig.model_validate_json(generation_json), max_model_len,
+                                    reward_fn=get_reward_fn(reward_fn), engine_id=engine_id,
+                                    recompute_kv_cache_after_weight_updates=recompute_kv,
+                                    reward_timeout_s=reward_timeout_s)
+        self.channel_timeout_s = channel_timeout_s
+        self._tasks: set[asyncio.Task] = set()
+        self._started = False
+        self._send_failures = 0
+        self.pid = os.getpid()
+
+    async def start(self) -> dict:
+        if not self._started:
+            await self.engine.start()
+            self._started = True
+        return {"engine_id": self.engine_id, "version": self.engine.version, "pid": self.pid}
+
+    async def health(self) -> dict:
+        return {"engine_id": self.engine_id, "ok": self._started, "version": self.engine.version,
+                "running_batches": len(self._tasks), "pid": self.pid}
+
+    async def submit(self, prompt_bytes: list[bytes], group_size: int, channel) -> int:
+        """Start generating one group per prompt; groups stream into ``channel``."""
+        requests = [decode(b, expect=PromptRequest) for b in prompt_bytes]
+        task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return len(requests)
+
+    async def _run(self, requests: list[PromptRequest], group_size: int, channel) -> None:
+        pending = {r.prompt_id: r for r in requests}
+        try:
+            async for group in self.engine.generate(requests, group_size):
+                pending.pop(group.prompt_id, None)
+                await self._send(channel, encode(group))
+        except Exception as exc:  # noqa: BLE001 - reported per prompt below
+            log.exception("engine %s: generation failed", self.engine_id)
+            for pid, req in pending.items():
+                msg = ControlMessage("error", {"prompt_id": pid, "scheduled_step": req.scheduled_step,
+                                              "engine_id": self.engine_id,
+                                              "reason": f"generation failed: {type(exc).__name__}: {exc}"[:500]},
+                                     time.time())
+                await self._send(channel, encode(msg))
+
+    async def _send(self, channel, data: bytes) -> None:
+        try:
+            await channel.send_async(data, self.channel_timeout_s)
+        except Exception:  # noqa: BLE001 - the learner accounts for what never arrives
+            self._send_failures += 1
+            log.warning("engine %s: could not deliver a message to channel %s", self.engine_id, channel.name)
+
+    async def apply_weights(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:
+        manifest = decode(manifest_bytes, expect=WeightManifest)
+        datas = await asyncio.gather(*bucket_refs)
+        buckets = [decode(d, expect=WeightBucket) for d in datas]
+        return await self.engine.apply_weights(manifest, buckets, reset=reset)
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        out = await self.engine.logprobs_of(prompt_ids, response_ids)
+        return [a.tolist() for a in out]
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
+                 running_batches=len(self._tasks))
+        return s
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await self.engine.shutdown()

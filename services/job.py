@@ -1,0 +1,296 @@
+"""A learner job attached to a rollout pool: everything the loops need.
+
+The loops in :mod:`services.loop_async` and :mod:`services.loop_sync` read
+like the algorithm; this class holds the machinery behind each line:
+
+- ``schedule(step)``  take prompts from the :class:`PromptSource`, record them
+  in the :class:`PromptLedger`, submit them to the pool;
+- ``collect(step)``   read the trajectory channel until ``num_prompts_per_step``
+  good groups for ``step`` are buffered (stale / failed ones are dropped,
+  counted, and replaced by fresh prompts), bounded by a deadline;
+- ``train(groups)``   one optimizer step on the learner ranks;
+- ``push_weights()``  export buckets from the learner and install them on every
+  engine (in flight: the engines keep generating);
+- ``finish_step()``   parity probe, metrics.jsonl / TensorBoard / Prometheus,
+  checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from protocol import ControlMessage, ProtocolError, PromptRequest, TrajectoryGroup, decode, encode
+from services.buffer import TrajectoryBuffer
+from services.channel import ChannelTimeout, TrajectoryChannel
+from services.data import PromptSource
+from services.ledger import PromptLedger
+from services.run_log import RunLog
+
+log = logging.getLogger("inflight.job")
+REFIT_ATTEMPTS = 3
+
+
+class StepTimeout(TimeoutError):
+    """The pool did not deliver a step's groups in time."""
+
+
+class StepTimer:
+    """Wall time of one step split into named phases; ``other`` is the rest."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def summary(self) -> dict[str, float]:
+        total = time.perf_counter() - self.t0
+        out = {f"{k}_s": v for k, v in self.phases.items()}
+        for k in ("policy_training_s", "generation_exposed_s", "refit_s"):
+            out.setdefault(k, 0.0)
+        out["step_s"] = total
+        out["other_s"] = max(0.0, total - sum(self.phases.values()))
+        return out
+
+
+class LearnerJob:
+    def __init__(self, recipe, model_path: str, pool, learner, run_dir: str | Path, resume: bool = True):
+        from rollout.tasks import make_prompts
+        from transformers import AutoTokenizer
+
+        self.recipe, self.pool, self.learner = recipe, pool, learner
+        self.run_dir = Path(run_dir)
+        self.id = f"learner-{uuid.uuid4().hex[:8]}"
+        g = recipe.grpo
+        self.n_per_step, self.group_size = g.num_prompts_per_step, g.num_generations_per_prompt
+        self.last_step = g.max_num_steps
+        gen = recipe.policy.generation
+        self.collect_timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.source = PromptSource(make_prompts(recipe.env.task, tokenizer, recipe.env.num_prompts, g.seed), g.seed)
+        self.ledger = PromptLedger()
+        self.open_requests: dict[str, PromptRequest] = {}
+        self.buffer = TrajectoryBuffer(max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0)
+        self.rejected: dict[str, int] = {}
+        self.parity_set: list[tuple[list[int], list[int]]] = []
+        self.step = 0
+        self.version = int(learner.call("version"))
+        self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
+        if resume:
+            self._resume()
+        self.log = RunLog(self.run_dir, recipe.logger.tensorboard_enabled)
+        pool.attach.remote(self.id, self.channel).result(timeout_s=60)
+
+    # ------------------------------------------------------------ the loop's verbs
+    def start(self, prefetch: bool) -> None:
+        """Install the learner's weights on the pool and (re)submit outstanding prompts."""
+        self.push_weights(reset=True)
+        pending = [self.open_requests[p] for p in self.ledger.pending() if p not in self._buffered_ids()]
+        if pending:
+            self._submit(pending)
+        elif prefetch:
+            self.schedule(self.step + 1)
+
+    def steps(self):
+        from tqdm import tqdm
+
+        bar = tqdm(range(self.step + 1, self.last_step + 1), desc="GRPO", unit="step", initial=self.step,
+                   total=self.last_step, dynamic_ncols=True)
+        for step in bar:
+            yield step
+            row = self.log.rows[-1] if self.log.rows else {}
+            bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.3f}",
+                            age=f"{row.get('trajectory_age_mean', float('nan')):.2f}", v=self.version)
+
+    def schedule(self, step: int, n: int | None = None) -> None:
+        if step > self.last_step:
+            return
+        requests = self.source.next(n or self.n_per_step, step)
+        for r in requests:
+            self.ledger.schedule(r.prompt_id, step)
+            self.open_requests[r.prompt_id] = r
+        self._submit(requests)
+
+    def collect(self, step: int) -> list:
+        deadline = time.monotonic() + self.collect_timeout_s
+        while True:
+            for group, reason in self.buffer.screen(step, self.version):
+                self._drop(group.prompt_id, reason, replace_for=step)
+            if self.buffer.ready(step) >= self.n_per_step:
+                return self.buffer.take(step, self.n_per_step)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StepTimeout(f"pool {self.recipe.rollout_pool.name!r}: only {self.buffer.ready(step)}/"
+                                  f"{self.n_per_step} groups for step {step} after {self.collect_timeout_s:.0f} s")
+            try:
+                self._receive(self.channel.recv(min(left, 5.0)))
+            except ChannelTimeout:
+                continue
+
+    def train(self, buffered: list) -> dict:
+        import ray
+
+        ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
+        metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered])
+        self.version = int(self.learner.call("version"))
+        for b in buffered:
+            self.ledger.mark_trained(b.group.prompt_id, b.group.scheduled_step)
+            self.open_requests.pop(b.group.prompt_id, None)
+        if not self.parity_set:
+            self.parity_set = [(b.group.prompt_ids.tolist(), t.response_ids.tolist())
+                               for b in buffered for t in b.group.valid if t.response_ids.size][
+                              :self.recipe.logger.parity_probe_sequences]
+        metrics["trajectory_ages"] = ages
+        metrics["trajectory_age_mean"] = float(np.mean(ages))
+        metrics["trajectory_age_max"] = float(np.max(ages))
+        return metrics
+
+    def push_weights(self, reset: bool = False) -> dict:
+        bucket_bytes = self.recipe.policy.refit_bucket_mb * 1024 * 1024
+        last = None
+        for attempt in range(1, REFIT_ATTEMPTS + 1):
+            manifest, refs = self.learner.call("export_weights", bucket_bytes)
+            try:
+                return self.pool.update_weights.remote(manifest, refs, reset).result(
+                    timeout_s=self.recipe.policy.generation.request_timeout_s + 60)
+            except Exception as exc:  # noqa: BLE001 - retried, then reported with the cause
+                last = exc
+                log.warning("refit attempt %d/%d failed: %s", attempt, REFIT_ATTEMPTS, exc)
+        raise RuntimeError(f"learner {self.id}: weight push v{self.version} failed {REFIT_ATTEMPTS} times; "
+                           f"last error: {last}")
+
+    def finish_step(self, step: int, metrics: dict, timer: StepTimer) -> dict:
+        self.step = step
+        with timer.phase("parity_probe"):
+            parity = self.parity_probe()
+        times = timer.summary()
+        times["other_s"] += times.pop("parity_probe_s", 0.0)
+        row = {"step": step, "policy_version": self.version, **times}
+        for k, v in metrics.items():
+            if k == "gen_kl_error":
+                row["train_gen_kl_error"] = v  # pi_gen vs pi_prev over the batch (includes lag-1 drift)
+            elif isinstance(v, (int, float)):
+                row[k] = v
+        row.update(parity)
+        row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
+        row["buffer_groups"] = len(self.buffer)
+        row.update({f"dropped_{k}": v for k, v in self.buffer.drops.items()})
+        self.log.write(row)
+        report = {**row, "trajectory_ages": metrics.get("trajectory_ages", []), "rejected": dict(self.rejected)}
+        self.rejected.clear()
+        self.pool.report_step.remote(report)
+        ck = self.recipe.checkpointing
+        if ck.enabled and (step % ck.save_period == 0 or step == self.last_step):
+            self.save_checkpoint()
+        return row
+
+    def parity_probe(self) -> dict:
+        """Engine vs learner log-probs of fixed sequences, both at the version just pushed."""
+        if not self.parity_set:
+            return {}
+        prompts, responses = [p for p, _ in self.parity_set], [r for _, r in self.parity_set]
+        eng = self.pool.logprobs_of.remote(prompts, responses).result(timeout_s=300)
+        ref = self.learner.call("logprobs", prompts, responses)
+        e, l = np.concatenate([np.asarray(x) for x in eng]), np.concatenate([np.asarray(x) for x in ref])
+        d = e - l
+        return {"gen_kl_error": float(np.mean(np.exp(d) - 1.0 - d)), "parity_max_abs_logprob_diff": float(np.abs(d).max()),
+                "parity_mean_abs_logprob_diff": float(np.abs(d).mean())}
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        path = self._ckpt_root() / f"step_{self.step:06d}"
+        extra = {"step": self.step, "data_position": self.source.position(), "ledger": self.ledger.state(),
+                 "buffer": [b.data for b in self.buffer.all_groups()],
+                 "open_requests": [encode(r) for r in self.open_requests.values()],
+                 "parity_set": self.parity_set, "drops": dict(self.buffer.drops)}
+        self.learner.call("save_checkpoint", str(path), extra)
+        (self._ckpt_root() / "latest").write_text(path.name)
+        keep = self.recipe.checkpointing.keep_top_k
+        for old in sorted(self._ckpt_root().glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _ckpt_root(self) -> Path:
+        root = Path(self.recipe.checkpointing.checkpoint_dir)
+        root = root if root.is_absolute() else self.run_dir / root
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+
+    def _resume(self) -> None:
+        marker = self._ckpt_root() / "latest"
+        if not marker.exists():
+            return
+        path = self._ckpt_root() / marker.read_text().strip()
+        extra = self.learner.call("load_checkpoint", str(path))
+        self.step = int(extra["step"])
+        self.version = int(self.learner.call("version"))
+        self.source.seek(extra["data_position"])
+        self.ledger = PromptLedger.from_state(extra["ledger"])
+        for data in extra["buffer"]:
+            self.buffer.add(decode(data, expect=TrajectoryGroup), data)
+        self.open_requests = {r.prompt_id: r for r in (decode(b, expect=PromptRequest)
+                                                       for b in extra["open_requests"])}
+        self.parity_set = [tuple(x) for x in extra["parity_set"]]
+        self.buffer.drops.update(extra.get("drops", {}))
+        self._resumed_rows(self.step)
+        log.info("resumed from %s at step %d, version %d", path, self.step, self.version)
+
+    def _resumed_rows(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():  # keep the record consistent with the checkpoint
+            lines = [l for l in path.read_text().splitlines() if l.strip()]
+            path.write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= step))
+
+    # ------------------------------------------------------------ internals
+    def _submit(self, requests: list[PromptRequest]) -> None:
+        self.pool.submit.remote([encode(r) for r in requests], self.group_size).result(timeout_s=120)
+
+    def _receive(self, data: bytes) -> None:
+        try:
+            msg = decode(data)
+        except ProtocolError as err:
+            self.rejected["malformed"] = self.rejected.get("malformed", 0) + 1
+            log.warning("rejected a message from the pool: %s", err)
+            return
+        if isinstance(msg, TrajectoryGroup):
+            if not self.ledger.is_open(msg.prompt_id):
+                self.rejected["unexpected_group"] = self.rejected.get("unexpected_group", 0) + 1
+                return
+            self.buffer.add(msg, data)
+        elif isinstance(msg, ControlMessage) and msg.action == "error":
+            pid = str(msg.payload.get("prompt_id", ""))
+            if self.ledger.is_open(pid):
+                self._drop(pid, "generation_failed", replace_for=int(msg.payload.get("scheduled_step", self.step + 1)))
+        else:
+            self.rejected["unexpected_kind"] = self.rejected.get("unexpected_kind", 0) + 1
+
+    def _drop(self, prompt_id: str, reason: str, replace_for: int) -> None:
+        self.ledger.mark_dropped(prompt_id, reason)
+        self.open_requests.pop(prompt_id, None)
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.schedule(replace_for, n=1)
+
+    def _buffered_ids(self) -> set[str]:
+        return {b.group.prompt_id for b in self.buffer.all_groups()}
+
+    def close(self) -> None:
+        try:
+            self.pool.detach.remote(self.id).result(timeout_s=30)
+        except Exception:  # noqa: BLE001 - the pool may be gone already
+            pass
+        self.channel.close()
+        self.log.close()
+

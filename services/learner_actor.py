@@ -1,0 +1,108 @@
+"""The learner as Ray actors: one :class:`learner.trainer.Learner` per rank.
+
+``LearnerGroup`` starts ``world_size`` actors (one per GPU, or one process on
+CPU), gives them a common ``torch.distributed`` rendezvous, and calls every
+method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
+Trajectories reach the actors as protocol bytes in the Ray object store and
+are decoded inside; weights leave as encoded ``WeightManifest`` /
+``WeightBucket`` bytes put in the object store by rank 0.
+"""
+from __future__ import annotations
+
+import os
+
+from protocol import TrajectoryGroup, decode, encode
+
+
+class LearnerActor:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, learner_kwargs: dict):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+        from learner.trainer import Learner
+
+        kw = dict(learner_kwargs)
+        kw["megatron"] = MegatronConfig.model_validate_json(kw["megatron"])
+        kw["loss"] = LossConfig.model_validate_json(kw["loss"])
+        kw["packing"] = SequencePackingConfig.model_validate_json(kw["packing"])
+        self.rank = rank
+        self.learner = Learner(**kw)
+
+    def version(self) -> int:
+        return self.learner.policy_version
+
+    def train_step(self, group_refs: list) -> dict:
+        import ray
+
+        groups = [decode(b, expect=TrajectoryGroup) for b in ray.get(group_refs)]
+        return self.learner.train_step(groups)
+
+    def export_weights(self, bucket_bytes: int):
+        """Rank 0 returns ``(manifest_bytes, [bucket refs])``; other ranks take part and return None."""
+        import ray
+
+        manifest, buckets = self.learner.export_weights(bucket_bytes)
+        if self.rank != 0:
+            return None
+        return encode(manifest), [ray.put(encode(b)) for b in buckets]
+
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        import numpy as np
+
+        out = self.learner.logprobs([np.asarray(p, np.int32) for p in prompt_ids],
+                                    [np.asarray(r, np.int32) for r in response_ids])
+        return [a.tolist() for a in out]
+
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.learner.save_checkpoint(path, extra if self.rank == 0 else None)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.learner.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        self.learner.save_hf(path)
+
+    def shutdown(self) -> None:
+        self.learner.shutdown()
+
+
+class LearnerGroup:
+    """All ranks of one learner job, driven in lockstep."""
+
+    def __init__(self, recipe, model_path: str, call_timeout_s: float = 1800.0):
+        import ray
+
+        from services.pool import _free_port
+
+        self.timeout = call_timeout_s
+        world = max(1, recipe.learner_gpus)
+        p = recipe.policy
+        kwargs = dict(model_path=model_path, megatron=p.megatron_cfg.model_dump_json(),
+                      loss=recipe.loss_fn.model_dump_json(), packing=p.sequence_packing.model_dump_json(),
+                      max_total_sequence_length=p.max_total_sequence_length,
+                      normalize_rewards=recipe.grpo.normalize_rewards, seed=recipe.grpo.seed)
+        gpus = 1 if recipe.cluster.gpus_per_node else 0
+        addr = ray.util.get_node_ip_address()
+        port = _free_port()
+        cls = ray.remote(LearnerActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0)
+        self.actors = [cls.remote(r, world, addr, port, kwargs) for r in range(world)]
+        self.call("version")  # surfaces construction errors here, bounded
+
+    def call(self, method: str, *args):
+        import ray
+
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        try:
+            return ray.get(refs, timeout=self.timeout)[0]
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"learner: {method} did not finish within {self.timeout:.0f} s") from None
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self.call("shutdown")
+        except Exception:  # noqa: BLE001 - killed below anyway
+            pass
+        for a in self.actors:
+            ray.kill(a)

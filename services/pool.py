@@ -1,0 +1,345 @@
+"""The rollout pool: a named Ray Serve application that outlives learners.
+
+One Serve replica is the pool's controller and HTTP ingress. It owns
+``rollout_pool.num_engines`` :class:`~services.engine_actor.EngineActor` s
+(named, detached, restarted by Ray when their process dies), spreads prompt
+batches over them (round robin), pushes weights to all of them, watches their health and
+serves:
+
+- ``GET /healthz``  the process is alive;
+- ``GET /readyz``   every engine is loaded and its version known (503 otherwise);
+- ``GET /metrics``  Prometheus text (see :mod:`services.metrics`);
+- ``GET /v1/status`` JSON;
+- ``POST /v1/admin/{pause,resume,drain}`` with ``Authorization: Bearer <token>``.
+
+A learner job attaches by name (``serve.get_app_handle(name)``), gives the
+pool its trajectory channel, and calls ``submit`` / ``update_weights``. When
+the learner goes away the pool keeps running and serving its last version.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Header, HTTPException, Response
+from ray import serve
+
+from services.metrics import PoolMetrics
+
+log = logging.getLogger("inflight.pool")
+app = FastAPI(title="Inflight rollout pool", version="1")
+HEALTH_PERIOD_S = 5.0
+HEALTH_TIMEOUT_S = 10.0
+
+
+class RefitError(RuntimeError):
+    """A weight push was rejected or did not complete on every engine."""
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60)
+@serve.ingress(app)
+class RolloutPool:
+    def __init__(self, recipe_json: str, model_path: str, admin_token: str):
+        from services.config import Recipe
+
+        self.recipe = Recipe.model_validate_json(recipe_json)
+        self.name = self.recipe.rollout_pool.name
+        self.model_path = model_path
+        self._token = admin_token
+        self.metrics = PoolMetrics()
+        self.engines: dict[str, object] = {}
+        self.engine_state: dict[str, dict] = {}
+        self._next_engine = 0
+        self.version = 0
+        self._latest_weights: tuple[bytes, list] | None = None
+        self.learner: dict | None = None
+        self.channel = None
+        self.paused = False
+        self.draining = False
+        self._held: list[tuple[list[bytes], int]] = []
+        self._refit_lock = asyncio.Lock()
+        self._started_at = time.time()
+        self._errors: list[str] = []
+        self._ready = asyncio.Event()
+        loop = asyncio.get_event_loop()
+        self._boot = loop.create_task(self._start_engines())
+        self._monitor = loop.create_task(self._watch_engines())
+
+    # ------------------------------------------------------------ engines
+    async def _start_engines(self) -> None:
+        import ray
+
+        from services.engine_actor import EngineActor
+
+        r = self.recipe
+        gen = r.policy.generation
+        gpus = (r.rollout_pool.gpus_per_engine or gen.vllm_cfg.tensor_parallel_size) if r.cluster.gpus_per_node else 0
+        ncpu = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        for i in range(r.rollout_pool.num_engines):
+            eid = f"{self.name}-engine-{i}"
+            actor_cls = ray.remote(EngineActor).options(
+                name=eid, namespace="inflight", lifetime="detached", get_if_exists=True, max_restarts=-1,
+                max_concurrency=1000, num_cpus=0, num_gpus=gpus,
+                runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu),
+                                          "VLLM_CPU_KVCACHE_SPACE": str(gen.vllm_cfg.cpu_kvcache_space_gib)}})
+            self.engines[eid] = actor_cls.remote(
+                eid, self.model_path, gen.model_dump_json(), r.policy.max_total_sequence_length, r.env.reward_fn,
+                r.env.reward_timeout_s, r.grpo.async_grpo.recompute_kv_cache_after_weight_updates,
+                channel_timeout_s=gen.request_timeout_s)
+        boot_timeout = 600.0
+        results = await asyncio.gather(*[asyncio.wait_for(_ref(e.start.remote()), boot_timeout)
+                                         for e in self.engines.values()], return_exceptions=True)
+        for eid, res in zip(self.engines, results):
+            ok = not isinstance(res, BaseException)
+            self.engine_state[eid] = {"up": ok, "version": res["version"] if ok else None,
+                                      "error": None if ok else f"start failed: {res!r}"[:300]}
+            self.metrics.engine_up.labels(engine=eid).set(1 if ok else 0)
+            if not ok:
+                self._errors.append(f"{eid}: {res!r}"[:300])
+        self.metrics.policy_version.set(self.version)
+        self._ready.set()
+
+    async def _watch_engines(self) -> None:
+        await self._ready.wait()
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            for eid, eng in self.engines.items():
+                try:
+                    h = await asyncio.wait_for(_ref(eng.health.remote()), HEALTH_TIMEOUT_S)
+                    if not h["ok"]:
+                        await asyncio.wait_for(_ref(eng.start.remote()), 600)
+                        h = await asyncio.wait_for(_ref(eng.health.remote()), HEALTH_TIMEOUT_S)
+                    if h["version"] != self.version and self._latest_weights is not None:
+                        await self._apply_to(eid, *self._latest_weights, reset=True)
+                        h["version"] = self.version
+                    self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
+                    self.metrics.engine_up.labels(engine=eid).set(1)
+                except Exception as exc:  # noqa: BLE001 - recorded, retried next period
+                    self.engine_state[eid].update(up=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                    self.metrics.engine_up.labels(engine=eid).set(0)
+
+    def _healthy(self) -> list[str]:
+        return [e for e, s in self.engine_state.items() if s.get("up") and s.get("version") == self.version]
+
+    # ------------------------------------------------------------ learner API (DeploymentHandle)
+    async def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return await self.status()
+
+    async def attach(self, learner_id: str, channel) -> dict:
+        if self.learner and self.learner["id"] != learner_id:
+            log.warning("pool %s: learner %s replaces %s", self.name, learner_id, self.learner["id"])
+        self.learner = {"id": learner_id, "since": time.time()}
+        self.channel = channel
+        self.metrics.learner_attached.set(1)
+        return await self.status()
+
+    async def detach(self, learner_id: str) -> None:
+        if self.learner and self.learner["id"] == learner_id:
+            self.learner, self.channel = None, None
+            self.metrics.learner_attached.set(0)
+
+    async def submit(self, prompt_bytes: list[bytes], group_size: int) -> int:
+        """Spread prompts over the healthy engines; groups go to the attached channel."""
+        if self.channel is None:
+            raise RuntimeError(f"pool {self.name!r}: no learner attached (attach before submitting)")
+        if self.draining:
+            raise RuntimeError(f"pool {self.name!r} is draining: not accepting prompts")
+        if self.paused:
+            self._held.append((prompt_bytes, group_size))
+            return len(prompt_bytes)
+        healthy = self._healthy()
+        if not healthy:
+            raise RuntimeError(f"pool {self.name!r}: no healthy engine at version {self.version} "
+                               f"({self.engine_state})")
+        shares: dict[str, list[bytes]] = {e: [] for e in healthy}
+        for pb in prompt_bytes:  # round robin, continued across calls
+            shares[healthy[self._next_engine % len(healthy)]].append(pb)
+            self._next_engine += 1
+        for eid, part in shares.items():
+            if part:
+                await _ref(self.engines[eid].submit.remote(part, group_size, self.channel))
+        return len(prompt_bytes)
+
+    async def update_weights(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> dict:
+        """Push one version to every engine; atomic per engine, version advances only on success."""
+        import ray
+
+        from protocol import WeightManifest, decode
+
+        manifest = decode(manifest_bytes, expect=WeightManifest)
+        async with self._refit_lock:
+            t0 = time.perf_counter()
+            owned = [ray.put(await r) for r in bucket_refs]  # the pool keeps a copy for engines that restart
+            results = await asyncio.gather(*[self._apply_to(eid, manifest_bytes, owned, reset)
+                                             for eid in self.engines], return_exceptions=True)
+            failed = {eid: repr(r)[:300] for eid, r in zip(self.engines, results) if isinstance(r, BaseException)}
+            seconds = time.perf_counter() - t0
+            if failed:
+                reason = "rejected" if any("ProtocolError" in v or "WeightUpdate" in v for v in failed.values()) \
+                    else "failed"
+                self.metrics.refit_failures.labels(reason=reason).inc()
+                raise RefitError(f"pool {self.name!r}: weight push v{manifest.version} failed on "
+                                 f"{len(failed)}/{len(self.engines)} engines: {failed}")
+            self.version = manifest.version
+            self._latest_weights = (manifest_bytes, owned)
+            self.metrics.policy_version.set(self.version)
+            self.metrics.refit_seconds.observe(seconds)
+            self.metrics.refit_bytes.inc(manifest.total_bytes * len(self.engines))
+            return {"version": self.version, "seconds": seconds, "bytes": manifest.total_bytes,
+                    "engines": len(self.engines)}
+
+    async def _apply_to(self, eid: str, manifest_bytes: bytes, refs: list, reset: bool) -> int:
+        timeout = self.recipe.policy.generation.request_timeout_s
+        version = await asyncio.wait_for(_ref(self.engines[eid].apply_weights.remote(manifest_bytes, refs, reset)),
+                                         timeout)
+        self.engine_state.setdefault(eid, {}).update(version=version)
+        return version
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        healthy = self._healthy() or list(self.engines)
+        return await asyncio.wait_for(_ref(self.engines[healthy[0]].logprobs_of.remote(prompt_ids, response_ids)),
+                                      self.recipe.policy.generation.request_timeout_s)
+
+    async def sleep_engines(self) -> None:
+        await asyncio.gather(*[_ref(e.sleep.remote()) for e in self.engines.values()])
+
+    async def wake_engines(self) -> None:
+        await asyncio.gather(*[_ref(e.wake_up.remote()) for e in self.engines.values()])
+
+    async def report_step(self, report: dict) -> None:
+        self.metrics.record_step(report)
+
+    async def engine_stats(self) -> dict:
+        out = {}
+        for eid, eng in self.engines.items():
+            try:
+                out[eid] = await asyncio.wait_for(_ref(eng.stats.remote()), HEALTH_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001
+                out[eid] = {"error": repr(exc)[:200]}
+        return out
+
+    async def status(self) -> dict:
+        return {"name": self.name, "version": self.version, "ready": self._is_ready(),
+                "learner": self.learner, "paused": self.paused, "draining": self.draining,
+                "engines": self.engine_state, "uptime_s": time.time() - self._started_at,
+                "errors": self._errors[-5:]}
+
+    def _is_ready(self) -> bool:
+        return self._ready.is_set() and bool(self.engine_state) and all(
+            s.get("up") and s.get("version") is not None for s in self.engine_state.values())
+
+    async def shutdown_engines(self) -> None:
+        import ray
+
+        for eng in self.engines.values():
+            try:
+                await asyncio.wait_for(_ref(eng.shutdown.remote()), 60)
+            except Exception:  # noqa: BLE001 - killed below anyway
+                pass
+            ray.kill(eng, no_restart=True)
+        self.engines.clear()
+
+    def check_health(self) -> None:
+        """Serve's replica health check: the controller's loops must be alive."""
+        if self._monitor.done() and not self._monitor.cancelled():
+            raise RuntimeError(f"pool monitor stopped: {self._monitor.exception()!r}")
+
+    # ------------------------------------------------------------ HTTP
+    @app.get("/healthz")
+    async def healthz(self):
+        return {"status": "ok", "pool": self.name}
+
+    @app.get("/readyz")
+    async def readyz(self, response: Response):
+        ready = self._is_ready()
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready, "version": self.version, "learner_attached": self.learner is not None,
+                "engines": {e: s.get("up", False) for e, s in self.engine_state.items()}}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(self):
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def status_endpoint(self):
+        return await self.status()
+
+    def _authorize(self, authorization: str | None) -> None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._token.encode()):
+            raise HTTPException(status_code=401, detail="admin endpoints need 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/v1/admin/pause")
+    async def admin_pause(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        self.paused = True
+        return {"paused": True}
+
+    @app.post("/v1/admin/resume")
+    async def admin_resume(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        self.paused = False
+        held, self._held = self._held, []
+        for prompts, g in held:
+            await self.submit(prompts, g)
+        return {"paused": False, "released_batches": len(held)}
+
+    @app.post("/v1/admin/drain")
+    async def admin_drain(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        self.draining = True
+        return {"draining": True}
+
+
+async def _ref(ref):
+    return await ref
+
+
+# ---------------------------------------------------------------- deploy / connect
+
+def deploy(recipe, model_path: str, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
+    """Start (or update) the pool application on the connected Ray cluster and wait until it is ready."""
+    http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or _free_port()}
+    serve.start(http_options=http)
+    handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
+                       name=recipe.rollout_pool.name, route_prefix="/", blocking=False)
+    status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+    status["http"] = f"http://{http['host']}:{http_port()}"
+    return status
+
+
+def connect(name: str):
+    """DeploymentHandle of a running pool; a clear error if there is none."""
+    try:
+        return serve.get_app_handle(name)
+    except Exception as exc:  # noqa: BLE001 - Serve raises several types here
+        raise RuntimeError(f"no rollout pool named {name!r} on this Ray cluster ({type(exc).__name__}: {exc}); "
+                           f"deploy one with `inflight pool deploy`") from None
+
+
+def http_port() -> int:
+    """Port of the Serve HTTP proxy on this cluster."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config.port
+
+
+def shutdown(name: str) -> None:
+    handle = connect(name)
+    handle.shutdown_engines.remote().result(timeout_s=300)
+    serve.delete(name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,39 @@
+"""Joining or starting the Ray cluster that hosts the pool and the learner.
+
+``connect()`` attaches to ``RAY_ADDRESS`` (or an explicit address) when one is
+given, otherwise it starts a private local cluster: its own temp dir (another
+Ray cluster may be running on the machine), no dashboard and a small object
+store (measured: ~500 MiB instead of ~750 MiB). Everything Inflight creates
+lives in the ``inflight`` namespace so that named actors can be found again.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+NAMESPACE = "inflight"
+OBJECT_STORE_BYTES = 512 * 1024 * 1024
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None) -> str:
+    """Connect to (or start) Ray; returns the cluster address. Idempotent."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+    else:
+        temp_dir = temp_dir or tempfile.mkdtemp(prefix="inflight-ray-")
+        ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False,
+                 object_store_memory=OBJECT_STORE_BYTES, _temp_dir=temp_dir, log_to_driver=True)
+    return ray.get_runtime_context().gcs_address
+
+
+def shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
