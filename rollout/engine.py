@@ -1,0 +1,443 @@
+"""The rollout engine: groups of scored samples from a vLLM ``AsyncLLM``, with in-flight weight updates.
+
+**Groups.** A group of G answers is G independent requests (``n=1`` each),
+not one request with ``n=G``: each sample then has its own request id,
+deadline, abort and retry, and its own seed (derived from the engine seed,
+prompt id, sample index and attempt, so sampling is reproducible). The shared
+prompt is computed once anyway through the prefix cache. A group is scored
+and emitted as soon as its last sample finishes; :meth:`RolloutEngine.generate`
+yields groups in completion order, not submission order.
+
+**Failures.** Each sample attempt runs under ``generation.request_timeout_s``;
+an attempt that exceeds it is aborted in the engine (``AsyncLLM.abort``), one
+that vLLM aborts or that raises counts as failed too, and failed attempts are
+retried up to ``generation.max_retries`` times. A sample that still fails --
+or that the reward function cannot score (exception, timeout, bad value) --
+is returned with ``finish_reason="error"``, ``reward=None`` and the reason,
+never with reward 0.
+
+**Versions.** The engine core stamps every step's output with a weight-version
+label (``AsyncLLM.update_weight_version``), and a finished request reports
+contiguous ``weight_versions`` spans over its output tokens. The label is only
+changed while generation is paused, so the spans are exact: tokens sampled
+before an in-flight update carry v, tokens after carry v+1, without any
+timing assumption on our side. Streaming is therefore not needed for version
+bookkeeping, and requests use ``output_kind=FINAL_ONLY`` (no per-token
+output processing).
+
+**In-flight update** (:meth:`RolloutEngine.apply_weights`), under a lock:
+verify the push (completeness, checksums, every parameter with its shape and
+dtype, version > current) and stage it as one safetensors file in
+``/dev/shm`` -- all before touching the engine, so a bad push leaves the old
+version serving and raises :class:`WeightUpdateError`. Then pause (``keep``:
+running requests stay, with their KV cache unless
+``recompute_kv_cache_after_weight_updates``), ``reload_weights`` from the
+staged directory in the workers (CPU linear layers pre-pack their weights and
+FlashInfer CUTLASS MoE reorders gate/up at load, so only a real reload is
+correct), reset the prefix cache, set the new version label, and always
+resume and delete the staged files. Requests carry a per-version
+``cache_salt``, so a request submitted after an update never reuses
+prompt KV computed under older weights even when the prefix cache could not
+be reset because requests were running.
+
+**Colocated mode.** :meth:`sleep` / :meth:`wake_up` map to vLLM's sleep mode
+(level 1: weights offloaded, KV cache dropped). vLLM-CPU has no sleep mode,
+so on CPU both are no-ops (counted in ``stats()``).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import numpy as np
+
+from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, WeightManifest
+from rollout.config import GenerationConfig
+from rollout.options import EngineOptions, build_engine_options
+from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
+from rollout.weight_receiver import ExpectedParams, WeightUpdateError, remove_staged, stage_push, verify_push
+
+logger = logging.getLogger(__name__)
+
+REWARD_WORKERS = 4
+"""Threads that run plain (non-async) reward functions; a hung one keeps its thread until it returns."""
+
+
+class EngineError(RuntimeError):
+    """The rollout engine could not start, is not started, or could not do what was asked."""
+
+
+class SampleFailed(Exception):
+    """One sample attempt failed; the message is the reason reported if retries run out."""
+
+
+@dataclass
+class _Sample:
+    """What one finished request gave back."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str
+
+
+@dataclass
+class EngineStats:
+    """Counters behind :meth:`RolloutEngine.stats`."""
+
+    groups: int = 0
+    samples_ok: int = 0
+    samples_failed: int = 0
+    tokens_generated: int = 0
+    requests_running: int = 0
+    attempts_failed: int = 0
+    retries: int = 0
+    aborts: int = 0
+    reward_failures: int = 0
+    refits: int = 0
+    refit_rejected: int = 0
+    refit_seconds_total: float = 0.0
+    refit_seconds_last: float = 0.0
+    pause_seconds_last: float = 0.0
+    refit_bytes_total: int = 0
+    prefix_cache_reset_deferred: int = 0
+    sleeps_skipped_on_cpu: int = 0
+    last_error: str = ""
+
+
+def _with_timeout(awaitable, seconds: float, what: str):
+    """Await ``awaitable`` for at most ``seconds``; a timeout names the component and the step."""
+    async def run():
+        try:
+            return await asyncio.wait_for(awaitable, seconds)
+        except asyncio.TimeoutError:
+            raise EngineError(f"rollout engine: {what} did not finish within {seconds:g}s") from None
+    return run()
+
+
+class RolloutEngine:
+    """One vLLM engine serving a policy version: samples scored groups and takes weight pushes in flight."""
+
+    def __init__(self, model_path: str, generation: GenerationConfig, max_model_len: int,
+                 reward_fn: RewardFn, engine_id: str = "0", initial_version: int = 0, *,
+                 recompute_kv_cache_after_weight_updates: bool = False, reward_timeout_s: float = 30.0,
+                 start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0):
+        if max_model_len < 16:
+            raise ValueError(f"max_model_len: expected >= 16, got {max_model_len}")
+        if generation.max_new_tokens >= max_model_len:
+            raise ValueError(f"policy.generation.max_new_tokens ({generation.max_new_tokens}) must be smaller "
+                             f"than max_model_len ({max_model_len})")
+        if initial_version < 0:
+            raise ValueError(f"initial_version: expected >= 0, got {initial_version}")
+        for name, value in (("reward_timeout_s", reward_timeout_s), ("start_timeout_s", start_timeout_s),
+                            ("weight_update_timeout_s", weight_update_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name}: expected > 0, got {value}")
+        self.model_path = model_path
+        self.generation = generation
+        """Sampling settings; read at every request, so changes apply to the next one."""
+        self.max_model_len = max_model_len
+        self.reward_fn = reward_fn
+        """Scores each group; may be replaced between calls."""
+        self.engine_id = engine_id
+        self.recompute_kv_cache_after_weight_updates = recompute_kv_cache_after_weight_updates
+        self.reward_timeout_s = reward_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.weight_update_timeout_s = weight_update_timeout_s
+        self._version = initial_version
+        self._llm = None
+        self._tokenizer = None
+        self._vocab_size = 0
+        self._expected: ExpectedParams | None = None
+        self._options: EngineOptions | None = None
+        self._update_lock = asyncio.Lock()
+        self._request_ids = itertools.count()
+        self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
+        self._weights_broken = ""
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Build the ``AsyncLLM`` (bounded by ``start_timeout_s``) and label its outputs with the version."""
+        if self._llm is not None:
+            raise EngineError(f"rollout engine {self.engine_id}: start() called twice")
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.outputs import CompletionOutput
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if "weight_versions" not in CompletionOutput.__dataclass_fields__:
+            raise EngineError("rollout engine: the installed vLLM does not report per-token weight versions "
+                              "(CompletionOutput.weight_versions); in-flight updates need vLLM >= 0.32")
+        self._options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len)
+        for line in self._options.describe():
+            logger.info("rollout engine %s: %s", self.engine_id, line)
+        os.environ.update(self._options.env)
+        self._expected = ExpectedParams.from_model_dir(self.model_path)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        engine_args = AsyncEngineArgs(**self._options.engine_args)
+        build = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
+        try:
+            self._llm = await asyncio.wait_for(asyncio.shield(build), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            build.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
+            raise EngineError(f"rollout engine {self.engine_id}: vLLM did not start within "
+                              f"{self.start_timeout_s:g}s ({self.model_path})") from None
+        self._vocab_size = int(self._llm.model_config.get_vocab_size())
+        await _with_timeout(self._llm.update_weight_version(str(self._version)), self.weight_update_timeout_s,
+                            "setting the initial weight version")
+
+    async def shutdown(self) -> None:
+        """Shut the engine core and its workers down (frees their /dev/shm segments)."""
+        llm, self._llm = self._llm, None
+        self._reward_pool.shutdown(wait=False, cancel_futures=True)
+        if llm is not None:
+            await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+
+    async def sleep(self) -> None:
+        """Release accelerator memory for a colocated learner (vLLM sleep level 1); no-op on CPU."""
+        llm = self._require_started()
+        if self._options.platform == "cpu":
+            self._stats.sleeps_skipped_on_cpu += 1
+            return
+        await _with_timeout(llm.sleep(level=1), self.weight_update_timeout_s, "sleep")
+
+    async def wake_up(self) -> None:
+        """Take the memory back after :meth:`sleep`; no-op on CPU."""
+        llm = self._require_started()
+        if self._options.platform == "cpu":
+            return
+        await _with_timeout(llm.wake_up(), self.weight_update_timeout_s, "wake_up")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def version(self) -> int:
+        """The policy version being served."""
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        self._require_started()
+        return self._vocab_size
+
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        self._require_started()
+        return self._tokenizer
+
+    @property
+    def options(self) -> EngineOptions:
+        """The engine options applied and ignored at start."""
+        self._require_started()
+        return self._options
+
+    def stats(self) -> dict:
+        """Counters: groups, samples, tokens, running requests, retries, aborts, refits and their cost."""
+        out = dict(vars(self._stats))
+        out.update(version=self._version, engine_id=self.engine_id, weights_broken=self._weights_broken)
+        return out
+
+    def _require_started(self):
+        if self._llm is None:
+            raise EngineError(f"rollout engine {self.engine_id}: not started (call start())")
+        return self._llm
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, seed: int, max_tokens: int | None = None, **extra):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        g = self.generation
+        return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=g.temperature,
+                              top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
+                              seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, **extra)
+
+    def _prompt(self, token_ids: list[int]) -> dict:
+        return {"prompt_token_ids": token_ids, "cache_salt": f"inflight-weights-v{self._version}"}
+
+    async def _run_request(self, token_ids: list[int], params, timeout_s: float):
+        """Run one request to completion within ``timeout_s``; abort it in the engine otherwise."""
+        llm = self._require_started()
+        request_id = f"{self.engine_id}-{next(self._request_ids)}"
+        final = None
+        self._stats.requests_running += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for out in llm.generate(self._prompt(token_ids), params, request_id):
+                    final = out
+        except TimeoutError:
+            self._stats.aborts += 1
+            await llm.abort(request_id)
+            raise SampleFailed(f"timeout after {timeout_s:g}s (request aborted)") from None
+        finally:
+            self._stats.requests_running -= 1
+        if final is None or not final.finished:
+            raise SampleFailed("the engine ended the request without a final output")
+        return final
+
+    async def _sample_once(self, request: PromptRequest, index: int, attempt: int) -> _Sample:
+        seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
+        params = self._sampling_params(seed, logprobs=0)
+        try:
+            out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s)
+        except SampleFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
+            raise SampleFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
+        c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):
+            raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
+        ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise SampleFailed(f"engine returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
+                               f"for {len(ids)} tokens")
+        lps = [c.logprobs[i][tok].logprob for i, tok in enumerate(ids)]
+        versions = np.empty(len(ids), np.int32)
+        covered = 0
+        for span in c.weight_versions or []:
+            versions[span.start:span.end] = int(span.version)
+            covered += span.end - span.start
+        if covered != len(ids):
+            raise SampleFailed(f"engine reported weight versions for {covered} of {len(ids)} tokens")
+        return _Sample(ids, lps, versions.tolist(), c.finish_reason, c.text)
+
+    async def _sample_with_retries(self, request: PromptRequest, index: int) -> _Sample | SampleFailed:
+        failure = SampleFailed("not attempted")
+        for attempt in range(self.generation.max_retries + 1):
+            if attempt:
+                self._stats.retries += 1
+            try:
+                return await self._sample_once(request, index, attempt)
+            except SampleFailed as exc:
+                self._stats.attempts_failed += 1
+                failure = exc
+        return SampleFailed(f"{failure} (after {self.generation.max_retries + 1} attempts)")
+
+    async def generate_group(self, request: PromptRequest, group_size: int) -> TrajectoryGroup:
+        """Sample ``group_size`` answers to ``request``, score them, and return the group."""
+        if group_size < 1:
+            raise ValueError(f"group_size: expected >= 1, got {group_size}")
+        self._require_started()
+        if self._weights_broken:
+            raise EngineError(f"rollout engine {self.engine_id}: weights are inconsistent after a failed "
+                              f"reload ({self._weights_broken}); push a complete set of weights first")
+        results = await asyncio.gather(*(self._sample_with_retries(request, i) for i in range(group_size)))
+        done = [(i, r) for i, r in enumerate(results) if isinstance(r, _Sample)]
+        scores = await score_group(self.reward_fn, [RewardInput(s.text, s.token_ids, dict(request.task))
+                                                    for _, s in done],
+                                   self.reward_timeout_s, self._reward_pool)
+        trajectories: list[Trajectory] = []
+        score_of = {i: score for (i, _), score in zip(done, scores)}
+        for i, result in enumerate(results):
+            if isinstance(result, SampleFailed):
+                trajectories.append(_failed(str(result)))
+                self._stats.samples_failed += 1
+            elif isinstance(score_of[i], RewardFailure):
+                trajectories.append(_failed(f"reward: {score_of[i].reason}"))
+                self._stats.samples_failed += 1
+                self._stats.reward_failures += 1
+            else:
+                trajectories.append(Trajectory(result.token_ids, result.logprobs, result.versions,
+                                               score_of[i], result.finish_reason))
+                self._stats.samples_ok += 1
+                self._stats.tokens_generated += len(result.token_ids)
+        self._stats.groups += 1
+        return TrajectoryGroup(group_id=f"{self.engine_id}:{request.prompt_id}:{self._stats.groups}",
+                               prompt_id=request.prompt_id, prompt_ids=request.prompt_ids,
+                               trajectories=trajectories, group_size=group_size, vocab_size=self._vocab_size,
+                               scheduled_step=request.scheduled_step, engine_id=self.engine_id,
+                               created_at=time.time())
+
+    async def generate(self, requests: list[PromptRequest], group_size: int) -> AsyncIterator[TrajectoryGroup]:
+        """Generate a group per request concurrently; yield each group as soon as it is complete."""
+        tasks = [asyncio.create_task(self.generate_group(r, group_size)) for r in requests]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
+        """The engine's log-prob of each response token given its prompt and the tokens before it."""
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"logprobs_of: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+
+        async def one(prompt: list[int], response: list[int]) -> np.ndarray:
+            if not prompt:
+                raise ValueError("logprobs_of: a prompt must have at least one token")
+            params = self._sampling_params(0, max_tokens=1, prompt_logprobs=0)
+            tokens = list(prompt) + list(response)
+            out = await self._run_request(tokens, params, self.generation.request_timeout_s)
+            per_pos = out.prompt_logprobs
+            return np.array([per_pos[p][tokens[p]].logprob for p in range(len(prompt), len(tokens))],
+                            dtype=np.float32)
+        return list(await asyncio.gather(*(one(p, r) for p, r in zip(prompt_ids, response_ids))))
+
+    # ------------------------------------------------------------------ weights
+    async def apply_weights(self, manifest: WeightManifest, buckets: list[WeightBucket]) -> int:
+        """Install a complete weight push in flight; returns the new version.
+
+        Raises :class:`WeightUpdateError` (old version still serving) if the
+        push is rejected or cannot be installed."""
+        llm = self._require_started()
+        async with self._update_lock:
+            started = time.perf_counter()
+            try:
+                tensors = await asyncio.to_thread(verify_push, manifest, buckets, self._expected, self._version)
+                staged = await asyncio.to_thread(stage_push, tensors, manifest.version, self.engine_id)
+            except WeightUpdateError as exc:
+                self._stats.refit_rejected += 1
+                self._stats.last_error = str(exc)
+                raise
+            try:
+                await self._swap(llm, staged, manifest.version)
+            finally:
+                remove_staged(staged)
+            elapsed = time.perf_counter() - started
+            self._stats.refits += 1
+            self._stats.refit_seconds_last = elapsed
+            self._stats.refit_seconds_total += elapsed
+            self._stats.refit_bytes_total += manifest.total_bytes
+            return self._version
+
+    async def _swap(self, llm, staged, version: int) -> None:
+        """Pause (keep), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
+        timeout = self.weight_update_timeout_s
+        paused_at = time.perf_counter()
+        await _with_timeout(llm.pause_generation(mode="keep",
+                                                 clear_cache=self.recompute_kv_cache_after_weight_updates),
+                            timeout, "pause_generation before a weight update")
+        try:
+            try:
+                await _with_timeout(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)}),
+                                    timeout, f"reload_weights of v{version}")
+                if not await _with_timeout(llm.reset_prefix_cache(), timeout, "reset_prefix_cache"):
+                    # Blocks of running requests are still in use; new requests are salted by version instead.
+                    self._stats.prefix_cache_reset_deferred += 1
+                await _with_timeout(llm.update_weight_version(str(version)), timeout, "update_weight_version")
+            except Exception as exc:
+                # The workers may hold a mix of old and new weights: refuse to sample until a push succeeds.
+                self._weights_broken = f"installing v{version} failed: {type(exc).__name__}: {exc}"
+                self._stats.refit_rejected += 1
+                self._stats.last_error = self._weights_broken
+                raise WeightUpdateError(f"rollout engine {self.engine_id}: {self._weights_broken}") from exc
+            self._version = version
+            self._weights_broken = ""
+        finally:
+            await _with_timeout(llm.resume_generation(), timeout, "resume_generation after a weight update")
+            self._stats.pause_seconds_last = time.perf_counter() - paused_at
+
+
+def _failed(reason: str) -> Trajectory:
+    empty = np.zeros(0, np.int32)
+    return Trajectory(empty, np.zeros(0, np.float32), empty, None, "error", reason)

@@ -1,0 +1,196 @@
+"""Recipe ``policy.generation.vllm_cfg`` -> vLLM engine arguments, checked against the installed vLLM.
+
+:func:`probe_vllm` looks at the vLLM that is installed (its version, the
+platform it runs on, the fields of ``EngineArgs`` and the values its
+``moe_backend`` / ``all2all_backend`` / ``cudagraph_mode`` types accept).
+:func:`build_engine_options` then maps the recipe onto engine arguments:
+
+- on GPU every option is applied; a value the installed vLLM does not know
+  raises :class:`EngineOptionError` naming the recipe key;
+- on CPU the GPU-only options (tensor/pipeline/expert parallelism, MoE and
+  all-to-all backends, ``gpu_memory_utilization``) are *ignored* and listed
+  in :attr:`EngineOptions.ignored` with the reason, and the KV-cache size is
+  exported as ``VLLM_CPU_KVCACHE_SPACE`` (required on CPU, whole GiB).
+
+The result says what was applied and what was ignored so the services layer
+can show it. Nothing here starts an engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rollout.config import VllmConfig
+
+KEY = "policy.generation.vllm_cfg"
+Platform = Literal["cpu", "cuda"]
+CUDA_GRAPH_MODE = "FULL_AND_PIECEWISE"
+"""CUDA-graph mode used when ``enforce_eager`` is False on GPU (full graphs for decode, piecewise for prefill)."""
+
+
+class EngineOptionError(ValueError):
+    """A recipe option the installed vLLM or this platform cannot honour."""
+
+    def __init__(self, key: str, value: object, expected: str):
+        self.key = key
+        self.value = value
+        super().__init__(f"{KEY}.{key}={value!r}: {expected}")
+
+
+@dataclass(frozen=True)
+class VllmCapabilities:
+    """What the installed vLLM accepts. ``None`` for a value set means it could not be read."""
+
+    version: str
+    platform: Platform
+    engine_arg_names: frozenset[str]
+    moe_backends: tuple[str, ...] | None
+    all2all_backends: tuple[str, ...] | None
+    cudagraph_modes: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class IgnoredOption:
+    """A recipe option that has no effect on this platform, and why."""
+
+    key: str
+    value: object
+    reason: str
+
+    def message(self, platform: str) -> str:
+        return f"{KEY}.{self.key}={self.value!r} ignored on {platform}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine arguments built from a recipe, plus what was applied and ignored."""
+
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+    applied: dict[str, str]
+    """Recipe key -> the vLLM argument (or environment variable) it became."""
+    ignored: list[IgnoredOption] = field(default_factory=list)
+    vllm_version: str = ""
+    platform: Platform = "cpu"
+
+    def describe(self) -> list[str]:
+        """One line per option, for logs and ``inflight validate``."""
+        lines = [f"{KEY}.{k} -> {v}" for k, v in self.applied.items()]
+        return lines + [i.message(self.platform) for i in self.ignored]
+
+
+def _literal_values(owner: type, name: str) -> tuple[str, ...] | None:
+    try:
+        hint = typing.get_type_hints(owner)[name]
+    except Exception:  # noqa: BLE001 -- unresolvable annotations: value set unknown
+        return None
+    values = typing.get_args(hint)
+    return tuple(v for v in values if isinstance(v, str)) or None
+
+
+def probe_vllm() -> VllmCapabilities:
+    """Read the installed vLLM's version, platform, engine-argument names and accepted values."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    platform: Platform = "cpu" if current_platform.is_cpu() else "cuda"
+    try:
+        from vllm.config.compilation import CUDAGraphMode
+        modes: tuple[str, ...] | None = tuple(m.name for m in CUDAGraphMode)
+    except ImportError:
+        modes = None
+    return VllmCapabilities(
+        version=str(getattr(vllm, "__version__", "unknown")), platform=platform,
+        engine_arg_names=frozenset(f.name for f in dataclasses.fields(EngineArgs)),
+        moe_backends=_literal_values(EngineArgs, "moe_backend"),
+        all2all_backends=_literal_values(EngineArgs, "all2all_backend"),
+        cudagraph_modes=modes)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...] | None, version: str) -> None:
+    if choices is not None and value not in choices:
+        raise EngineOptionError(key, value, f"not supported by the installed vLLM {version}; "
+                                            f"it accepts {sorted(choices)}")
+
+
+def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
+                         caps: VllmCapabilities | None = None) -> EngineOptions:
+    """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM)."""
+    caps = caps or probe_vllm()
+    on_cpu = caps.platform == "cpu"
+    args: dict[str, Any] = dict(model=model_path, tokenizer=model_path, max_model_len=max_model_len,
+                                seed=cfg.seed, dtype=cfg.precision, enforce_eager=cfg.enforce_eager,
+                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching)
+    applied = {"seed": f"seed={cfg.seed}", "precision": f"dtype={cfg.precision!r}",
+               "max_num_seqs": f"max_num_seqs={cfg.max_num_seqs}",
+               "enable_prefix_caching": f"enable_prefix_caching={cfg.enable_prefix_caching}"}
+    env: dict[str, str] = {}
+    ignored: list[IgnoredOption] = []
+    arg_key = {"tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
+               "enable_expert_parallel": "expert_parallel_size", "moe_backend": "moe_backend",
+               "all2all_backend": "all2all_backend", "gpu_memory_utilization": "gpu_memory_utilization",
+               "compilation_config": "enforce_eager", "enforce_eager": "enforce_eager",
+               "max_num_seqs": "max_num_seqs", "enable_prefix_caching": "enable_prefix_caching",
+               "seed": "seed", "dtype": "precision"}
+
+    if on_cpu:
+        applied["enforce_eager"] = (f"enforce_eager={cfg.enforce_eager}"
+                                    + ("" if cfg.enforce_eager else " (torch.compile; no CUDA graphs on CPU)"))
+        gib = cfg.cpu_kvcache_space_gib
+        if gib != int(gib):
+            raise EngineOptionError("cpu_kvcache_space_gib", gib, "a whole number of GiB on CPU "
+                                    "(vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib))
+        applied["cpu_kvcache_space_gib"] = f"env VLLM_CPU_KVCACHE_SPACE={int(gib)}"
+        for key, default, reason in (
+                ("tensor_parallel_size", 1, "the CPU engine runs a single worker"),
+                ("pipeline_parallel_size", 1, "the CPU engine runs a single worker"),
+                ("expert_parallel_size", 1, "expert parallelism needs GPUs"),
+                ("moe_backend", "auto", "fused-MoE kernel backends are GPU kernels; CPU uses its own MoE"),
+                ("all2all_backend", "auto", "all-to-all backends are GPU collectives")):
+            if getattr(cfg, key) != default:
+                ignored.append(IgnoredOption(key, getattr(cfg, key), reason))
+        ignored.append(IgnoredOption("gpu_memory_utilization", cfg.gpu_memory_utilization,
+                                     "the CPU KV cache is sized by cpu_kvcache_space_gib"))
+    else:
+        args.update(tensor_parallel_size=cfg.tensor_parallel_size,
+                    pipeline_parallel_size=cfg.pipeline_parallel_size,
+                    gpu_memory_utilization=cfg.gpu_memory_utilization)
+        applied.update(tensor_parallel_size=f"tensor_parallel_size={cfg.tensor_parallel_size}",
+                       pipeline_parallel_size=f"pipeline_parallel_size={cfg.pipeline_parallel_size}",
+                       gpu_memory_utilization=f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
+        if cfg.enforce_eager:
+            applied["enforce_eager"] = "enforce_eager=True (no torch.compile, no CUDA graphs)"
+        else:
+            _check_choice("enforce_eager", CUDA_GRAPH_MODE, caps.cudagraph_modes, caps.version)
+            args["compilation_config"] = {"cudagraph_mode": CUDA_GRAPH_MODE}
+            applied["enforce_eager"] = (f"enforce_eager=False, compilation_config.cudagraph_mode="
+                                        f"{CUDA_GRAPH_MODE} (torch.compile + CUDA graphs)")
+        if cfg.expert_parallel_size > 1:
+            if cfg.expert_parallel_size != cfg.tensor_parallel_size:
+                raise EngineOptionError("expert_parallel_size", cfg.expert_parallel_size,
+                                        f"inside one vLLM engine the expert-parallel size equals "
+                                        f"tensor_parallel_size ({cfg.tensor_parallel_size}); use 1 or that value")
+            args["enable_expert_parallel"] = True
+            applied["expert_parallel_size"] = "enable_expert_parallel=True"
+        if cfg.moe_backend != "auto":
+            _check_choice("moe_backend", cfg.moe_backend, caps.moe_backends, caps.version)
+            args["moe_backend"] = cfg.moe_backend
+            applied["moe_backend"] = f"moe_backend={cfg.moe_backend!r} (KernelConfig.moe_backend)"
+        if cfg.all2all_backend != "auto":
+            _check_choice("all2all_backend", cfg.all2all_backend, caps.all2all_backends, caps.version)
+            args["all2all_backend"] = cfg.all2all_backend
+            applied["all2all_backend"] = f"all2all_backend={cfg.all2all_backend!r} (ParallelConfig.all2all_backend)"
+        ignored.append(IgnoredOption("cpu_kvcache_space_gib", cfg.cpu_kvcache_space_gib,
+                                     "the GPU KV cache is sized by gpu_memory_utilization"))
+
+    for name in args:
+        if name not in caps.engine_arg_names:
+            key = arg_key.get(name, name)
+            raise EngineOptionError(key, getattr(cfg, key, args[name]),
+                                    f"the installed vLLM {caps.version} has no engine argument {name!r}")
+    return EngineOptions(engine_args=args, env=env, applied=applied, ignored=ignored,
+                         vllm_version=caps.version, platform=caps.platform)

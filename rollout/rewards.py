@@ -1,0 +1,179 @@
+"""Reward functions: one interface, a registry, and a bounded scorer.
+
+A reward function scores a whole group at once. It receives a list of
+:class:`RewardInput` (decoded response text, response token ids, and the
+prompt's ``task`` dict) and returns one entry per sample: a float, or a
+:class:`RewardFailure` when *that* sample cannot be scored (for example the
+task lacks its reference answer). It may be a plain function or a coroutine
+function.
+
+:func:`score_group` runs it under a deadline -- coroutine functions are
+awaited, plain functions run in a worker thread -- and turns every kind of
+failure (exception, timeout, wrong number of results, non-finite value) into
+per-sample :class:`RewardFailure` s. A failure is never turned into reward 0:
+the engine marks such samples ``finish_reason="error"`` with the reason.
+
+Shipped functions (``get_reward_fn(name)``):
+
+- ``math_exact``: 1.0 if the response's numeric answer equals
+  ``task["answer"]``. The answer is the content of the last ``\\boxed{...}``,
+  else the last number in the text.
+- ``format``: 1.0 if the response ends with an answer in a checkable form
+  (``\\boxed{...}`` or ``The answer is N``), else 0.0.
+- ``repeat_letter``: the toy task of the embedded CPU default (see
+  :mod:`rollout.tasks`): the fraction of response tokens that equal the
+  target letter's token id ``task["target_token_id"]``. The reward is dense
+  (every token counts), so a tiny random model gets a learning signal from
+  the first step.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import re
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence, Union
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One sample to score."""
+
+    text: str
+    response_ids: Sequence[int]
+    task: dict
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """A sample the reward function could not score, with the reason."""
+
+    reason: str
+
+
+RewardResult = Union[float, RewardFailure]
+RewardFn = Callable[[list[RewardInput]], Union[list[RewardResult], Awaitable[list[RewardResult]]]]
+"""Scores a batch of samples; plain or ``async``; one result per sample."""
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_FINAL_FORM = re.compile(r"(\\boxed\{[^{}]*\}|[Tt]he answer is\s*-?\d+(?:\.\d+)?)\s*\.?\s*$")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def extract_answer(text: str) -> float | None:
+    """The numeric answer of a response: ``\\boxed{}`` content, else the last number."""
+    boxed = _last_boxed(text)
+    source = boxed if boxed is not None else text
+    numbers = _NUMBER.findall(source.replace(",", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+def math_exact(batch: list[RewardInput]) -> list[RewardResult]:
+    """1.0 if the extracted numeric answer equals ``task["answer"]``, else 0.0."""
+    out: list[RewardResult] = []
+    for sample in batch:
+        if "answer" not in sample.task:
+            out.append(RewardFailure("math_exact: task has no 'answer'"))
+            continue
+        try:
+            want = float(sample.task["answer"])
+        except (TypeError, ValueError):
+            out.append(RewardFailure(f"math_exact: task['answer'] is not a number: {sample.task['answer']!r}"))
+            continue
+        got = extract_answer(sample.text)
+        out.append(1.0 if got is not None and math.isclose(got, want, rel_tol=0.0, abs_tol=1e-9) else 0.0)
+    return out
+
+
+def format_reward(batch: list[RewardInput]) -> list[RewardResult]:
+    """1.0 if the response ends with ``\\boxed{...}`` or ``The answer is N``, else 0.0."""
+    return [1.0 if _FINAL_FORM.search(sample.text.strip()) else 0.0 for sample in batch]
+
+
+def repeat_letter(batch: list[RewardInput]) -> list[RewardResult]:
+    """Fraction of response tokens equal to ``task["target_token_id"]`` (0.0 for an empty response)."""
+    out: list[RewardResult] = []
+    for sample in batch:
+        target = sample.task.get("target_token_id")
+        if isinstance(target, bool) or not isinstance(target, int):
+            out.append(RewardFailure(f"repeat_letter: task['target_token_id'] must be an int, got {target!r}"))
+            continue
+        ids = list(sample.response_ids)
+        out.append(sum(1 for t in ids if t == target) / len(ids) if ids else 0.0)
+    return out
+
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "math_exact": math_exact,
+    "format": format_reward,
+    "repeat_letter": repeat_letter,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The registered reward function called ``name``."""
+    try:
+        return REWARD_FNS[name]
+    except KeyError:
+        raise ValueError(f"reward function: expected one of {sorted(REWARD_FNS)}, got {name!r}") from None
+
+
+def _check_results(results: object, n: int) -> list[RewardResult]:
+    if not isinstance(results, (list, tuple)) or len(results) != n:
+        got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
+        return [RewardFailure(f"reward function returned {got}, expected a list of {n}")] * n
+    out: list[RewardResult] = []
+    for r in results:
+        if isinstance(r, RewardFailure):
+            out.append(r)
+        elif isinstance(r, bool) or not isinstance(r, (int, float)):
+            out.append(RewardFailure(f"reward is not a number: {r!r}"))
+        elif not math.isfinite(r):
+            out.append(RewardFailure(f"reward is not finite: {r!r}"))
+        else:
+            out.append(float(r))
+    return out
+
+
+def _is_async(fn: RewardFn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def score_group(reward_fn: RewardFn, batch: list[RewardInput], timeout_s: float,
+                      executor: Executor | None = None) -> list[RewardResult]:
+    """Run ``reward_fn`` on ``batch`` within ``timeout_s``; failures become per-sample failures.
+
+    Plain functions run on ``executor`` (default: the loop's). A plain
+    function that hangs keeps its worker thread busy after the timeout --
+    Python cannot stop a thread -- but the group is not held up."""
+    if not batch:
+        return []
+    loop = asyncio.get_running_loop()
+    try:
+        if _is_async(reward_fn):
+            call = reward_fn(batch)
+        else:
+            call = loop.run_in_executor(executor, reward_fn, batch)
+        results = await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        return [RewardFailure(f"reward function timed out after {timeout_s:g}s")] * len(batch)
+    except Exception as exc:  # noqa: BLE001 -- any reward error fails the samples, with its text
+        return [RewardFailure(f"reward function raised {type(exc).__name__}: {exc}")] * len(batch)
+    return _check_results(results, len(batch))

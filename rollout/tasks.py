@@ -1,0 +1,69 @@
+"""Prompt sources (``env.task``): deterministic prompt sets for the shipped rewards.
+
+``make_prompts(task, tokenizer, num_prompts, seed)`` returns
+:class:`protocol.PromptRequest` s whose ``prompt_ids`` come from the
+tokenizer's chat template (one user turn, generation prompt appended) and
+whose ``task`` dict carries what the matching reward function needs. The same
+seed always gives the same prompts, and ``prompt_id`` is ``f"{task}-{i}"``.
+
+- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter c." The
+  targets are the letters whose space-prefixed form (`` c``) is one token of
+  the tokenizer, so a perfect answer is `` c c c c ...``;
+  ``task = {"target": "c", "target_token_id": <id of " c">}``.
+- ``arithmetic`` (rewards ``math_exact`` / ``format``): "What is a plus b?"
+  with ``task = {"answer": a + b}``.
+"""
+from __future__ import annotations
+
+import random
+import string
+
+from protocol import PromptRequest
+
+TASKS = ("repeat_letter", "arithmetic")
+MAX_REPEAT_TARGETS = 4
+"""Letters the repeat task draws from: few enough that a tiny model learns every one within ~20 steps."""
+
+
+def repeat_targets(tokenizer) -> list[tuple[str, int]]:
+    """``(letter, token id of " letter")`` for the first letters that are single tokens."""
+    targets: list[tuple[str, int]] = []
+    for letter in string.ascii_lowercase:
+        ids = tokenizer.encode(" " + letter, add_special_tokens=False)
+        if len(ids) == 1:
+            targets.append((letter, int(ids[0])))
+        if len(targets) == MAX_REPEAT_TARGETS:
+            return targets
+    raise ValueError(f"repeat_letter: the tokenizer has {len(targets)} single-token letters ' a'..' z', "
+                     f"the task needs {MAX_REPEAT_TARGETS}")
+
+
+def chat_prompt_ids(tokenizer, content: str) -> list[int]:
+    """Token ids of one user turn through the chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=False)
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise TypeError(f"apply_chat_template returned {type(ids).__name__}, expected a list of token ids")
+    return ids
+
+
+def make_prompts(task: str, tokenizer, num_prompts: int, seed: int) -> list[PromptRequest]:
+    """``num_prompts`` prompts of ``task``, the same for the same ``seed``."""
+    if task not in TASKS:
+        raise ValueError(f"env.task: expected one of {TASKS}, got {task!r}")
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: expected >= 1, got {num_prompts}")
+    rng = random.Random(f"{task}:{seed}")
+    prompts: list[PromptRequest] = []
+    if task == "repeat_letter":
+        targets = repeat_targets(tokenizer)
+        for i in range(num_prompts):
+            letter, token_id = targets[rng.randrange(len(targets))]
+            prompts.append(PromptRequest(f"{task}-{i}", chat_prompt_ids(tokenizer, f"Repeat the letter {letter}."),
+                                         {"target": letter, "target_token_id": token_id}))
+    else:
+        for i in range(num_prompts):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            prompts.append(PromptRequest(f"{task}-{i}", chat_prompt_ids(tokenizer, f"What is {a} plus {b}?"),
+                                         {"answer": a + b}))
+    return prompts
