@@ -225,3 +225,11 @@ def test_error_repr_is_bounded_for_hostile_values():
     err = ProtocolError("kind", "a string", deep)
     assert len(str(err)) < 200
     assert len(str(ProtocolError("x", "y", "z" * 10**6))) < 200
+
+
+@pytest.mark.parametrize("schema", [np.zeros(2, np.int32), np.ones(1, np.int64), 1.0, True, 2, "1", None])
+def test_schema_must_be_exactly_the_int_version(schema):
+    """An array here once escaped as numpy's "truth value is ambiguous" ValueError."""
+    m = _thawed(ControlMessage("ack"))
+    m["schema"] = schema
+    _reject(m, "schema", "schema version 1")
