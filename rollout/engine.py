@@ -47,6 +47,7 @@ so on CPU both are no-ops (counted in ``stats()``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -201,6 +202,8 @@ class RolloutEngine:
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
         if llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+            del llm
+            gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit
 
     async def sleep(self) -> None:
         """Release accelerator memory for a colocated learner (vLLM sleep level 1); no-op on CPU."""

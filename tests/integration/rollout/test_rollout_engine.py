@@ -1,0 +1,246 @@
+"""The rollout engine on real vLLM (CPU, tiny float32 Qwen2): groups, streaming, versions, refits, failures."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from protocol import pack_buckets
+from rollout.rewards import RewardFailure
+from rollout.tasks import make_prompts
+from rollout.weight_receiver import WeightUpdateError
+
+from rollout_engine_helpers import GROUP_SIZE, model_tensors, push_model
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], response: list[int]) -> np.ndarray:
+    """Float32 ``transformers`` log-probs of ``response`` given ``prompt``."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(tokens).logits[0, :-1].float()
+    lps = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0]
+    return lps[len(prompt) - 1:].numpy()
+
+
+def tokens_of(group) -> list[list[int]]:
+    return [t.response_ids.tolist() for t in group.trajectories]
+
+
+def prompts(harness, n: int, task: str = "repeat_letter", seed: int = 0):
+    return make_prompts(task, harness.engine.tokenizer, n, seed)
+
+
+def test_group_has_g_samples_with_logprobs_and_current_version(harness):
+    engine = harness.engine
+    group = harness.run(engine.generate_group(prompts(harness, 1)[0], GROUP_SIZE))
+    assert len(group.trajectories) == GROUP_SIZE == group.group_size
+    assert group.vocab_size == engine.vocab_size
+    for t in group.trajectories:
+        assert t.ok, t.error
+        assert 0 < t.response_ids.size <= engine.generation.max_new_tokens
+        assert t.logprobs.shape == t.response_ids.shape and np.isfinite(t.logprobs).all()
+        assert (t.logprobs <= 0).all()
+        assert (t.versions == engine.version).all()
+        assert t.reward is not None and 0.0 <= t.reward <= 1.0
+    assert len({tuple(ids) for ids in tokens_of(group)}) > 1, "samples of a group should differ"
+
+
+def test_groups_stream_as_they_finish(harness):
+    """The slow group (its reward takes 3 s) must not hold back the fast ones."""
+    engine = harness.engine
+    reqs = prompts(harness, 3)
+    slow_id = reqs[0].prompt_id
+    reqs[0].task["slow"] = 1
+    original = engine.reward_fn
+
+    async def reward(batch):
+        if batch[0].task.get("slow"):
+            await asyncio.sleep(3.0)
+        return [0.5] * len(batch)
+
+    async def collect():
+        arrivals = []
+        async for group in engine.generate(reqs, GROUP_SIZE):
+            arrivals.append((group.prompt_id, time.monotonic()))
+        return arrivals
+
+    engine.reward_fn = reward
+    try:
+        arrivals = harness.run(collect())
+    finally:
+        engine.reward_fn = original
+    order = [pid for pid, _ in arrivals]
+    assert sorted(order) == sorted(r.prompt_id for r in reqs)
+    assert order[-1] == slow_id, order
+    assert arrivals[-1][1] - arrivals[0][1] > 2.0, "the first group should arrive well before the slow one"
+
+
+def test_push_changes_outputs_and_restoring_is_bit_identical(harness, tiny_model_dir, tiny_model_dir_v2):
+    engine = harness.engine
+    request = prompts(harness, 1, seed=7)[0]
+    before = harness.run(engine.generate_group(request, GROUP_SIZE))
+    v_before = engine.version
+    assert push_model(harness, tiny_model_dir_v2) == v_before + 1 == engine.version
+    changed = harness.run(engine.generate_group(request, GROUP_SIZE))
+    assert tokens_of(changed) != tokens_of(before)
+    assert all((t.versions == v_before + 1).all() for t in changed.trajectories)
+    assert push_model(harness, tiny_model_dir) == v_before + 2
+    restored = harness.run(engine.generate_group(request, GROUP_SIZE))
+    assert tokens_of(restored) == tokens_of(before)
+    for a, b in zip(restored.trajectories, before.trajectories):
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    stats = engine.stats()
+    assert stats["refits"] >= 2 and stats["refit_bytes_total"] > 0 and stats["refit_seconds_last"] > 0
+
+
+def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2):
+    engine = harness.engine
+    reqs = prompts(harness, 3, seed=11)
+    old_max = engine.generation.max_new_tokens
+    v = engine.version
+
+    async def scenario():
+        tasks = [asyncio.create_task(engine.generate_group(r, GROUP_SIZE)) for r in reqs]
+        while engine.stats()["requests_running"] < len(reqs) * GROUP_SIZE:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)  # let every sample produce some tokens under v
+        manifest, buckets = pack_buckets(model_tensors(tiny_model_dir_v2), v + 1, 1 << 20)
+        await engine.apply_weights(manifest, buckets)
+        return await asyncio.gather(*tasks)
+
+    engine.generation.max_new_tokens = 256
+    try:
+        groups = harness.run(scenario())
+    finally:
+        engine.generation.max_new_tokens = old_max
+        push_model(harness, tiny_model_dir)
+    split = 0
+    for request, group in zip(reqs, groups):
+        assert len(group.trajectories) == GROUP_SIZE
+        for t in group.trajectories:
+            assert t.ok, t.error  # no request lost
+            assert set(np.unique(t.versions)) <= {v, v + 1}
+            assert (np.diff(t.versions) >= 0).all()
+            k = int((t.versions == v).sum())
+            ref_old = hf_logprobs(tiny_model_dir, request.prompt_ids.tolist(), t.response_ids.tolist())
+            np.testing.assert_allclose(t.logprobs[:k], ref_old[:k], atol=2e-4)
+            if 0 < k < t.response_ids.size:
+                split += 1
+                assert abs(t.logprobs[k] - ref_old[k]) > 1e-2, "the first v+1 token must not be old weights"
+    assert split >= 1, "no sample straddled the update"
+
+
+def test_logprobs_of_matches_transformers_after_push(harness, tiny_model_dir, tiny_model_dir_v2):
+    engine = harness.engine
+    reqs = prompts(harness, 2, task="arithmetic", seed=3)
+    rng = np.random.default_rng(0)
+    responses = [rng.integers(3, engine.vocab_size - 64, size=24).tolist() for _ in reqs]
+    push_model(harness, tiny_model_dir_v2)
+    try:
+        got = harness.run(engine.logprobs_of([r.prompt_ids.tolist() for r in reqs], responses))
+    finally:
+        push_model(harness, tiny_model_dir)
+    diffs = np.concatenate([np.abs(g - hf_logprobs(tiny_model_dir_v2, r.prompt_ids.tolist(), resp))
+                            for g, r, resp in zip(got, reqs, responses)])
+    print(f"\nparity vLLM vs transformers (float32): max |diff| {diffs.max():.2e}, mean {diffs.mean():.2e}")
+    assert diffs.max() < 1e-3
+
+
+@pytest.mark.parametrize("damage", ["checksum", "corrupt_bytes", "missing_tensor", "wrong_shape",
+                                    "wrong_dtype", "unknown_name", "stale_version"])
+def test_bad_push_is_rejected_and_old_weights_keep_serving(harness, damage):
+    engine = harness.engine
+    request = prompts(harness, 1, seed=5)[0]
+    before = harness.run(engine.generate_group(request, GROUP_SIZE))
+    v = engine.version
+    tensors = list(model_tensors(harness.model_dir))
+    version = v + 1
+    if damage == "missing_tensor":
+        tensors = tensors[1:]
+    elif damage == "wrong_shape":
+        name, dtype, shape, raw = tensors[0]
+        tensors[0] = (name, dtype, (shape[0] * shape[1],), raw)
+    elif damage == "wrong_dtype":
+        name, _, shape, raw = tensors[0]
+        tensors[0] = (name, "int32", shape, raw)
+    elif damage == "unknown_name":
+        name, dtype, shape, raw = tensors[0]
+        tensors[0] = ("model.not_a_layer.weight", dtype, shape, raw)
+    elif damage == "stale_version":
+        version = v
+    manifest, buckets = pack_buckets(tensors, version, 1 << 16)
+    if damage == "checksum":
+        buckets[1].checksum = "crc32:00000000"
+    elif damage == "corrupt_bytes":
+        data = buckets[0].data.copy()
+        data[10] ^= 0xFF
+        buckets[0].data = data
+    with pytest.raises(WeightUpdateError) as err:
+        harness.run(engine.apply_weights(manifest, buckets))
+    print(f"\n{damage}: {err.value}")
+    assert engine.version == v
+    after = harness.run(engine.generate_group(request, GROUP_SIZE))
+    assert tokens_of(after) == tokens_of(before)
+
+
+def test_timed_out_requests_are_retried_then_failed_not_scored(harness):
+    engine = harness.engine
+    gen = engine.generation
+    old_timeout, old_retries = gen.request_timeout_s, gen.max_retries
+    aborts = engine.stats()["aborts"]
+    gen.request_timeout_s, gen.max_retries = 0.001, 1
+    try:
+        group = harness.run(engine.generate_group(prompts(harness, 1)[0], GROUP_SIZE))
+    finally:
+        gen.request_timeout_s, gen.max_retries = old_timeout, old_retries
+    for t in group.trajectories:
+        assert t.finish_reason == "error" and t.reward is None
+        assert "timeout after 0.001s" in t.error and "after 2 attempts" in t.error
+    assert engine.stats()["aborts"] - aborts == 2 * GROUP_SIZE
+    healthy = harness.run(engine.generate_group(prompts(harness, 1)[0], GROUP_SIZE))
+    assert all(t.ok for t in healthy.trajectories)
+
+
+@pytest.mark.parametrize("kind", ["raises", "hangs", "per_sample_failure"])
+def test_reward_errors_fail_samples_with_reason(harness, kind):
+    engine = harness.engine
+    original, old_timeout = engine.reward_fn, engine.reward_timeout_s
+
+    def raises(batch):
+        raise RuntimeError("grader crashed")
+
+    async def hangs(batch):
+        await asyncio.sleep(60)
+
+    def per_sample(batch):
+        return [RewardFailure("no answer found")] + [1.0] * (len(batch) - 1)
+
+    engine.reward_fn = {"raises": raises, "hangs": hangs, "per_sample_failure": per_sample}[kind]
+    engine.reward_timeout_s = 0.5
+    try:
+        group = harness.run(engine.generate_group(prompts(harness, 1)[0], GROUP_SIZE))
+    finally:
+        engine.reward_fn, engine.reward_timeout_s = original, old_timeout
+    failed = [t for t in group.trajectories if not t.ok]
+    expect = {"raises": "RuntimeError: grader crashed", "hangs": "timed out after 0.5s",
+              "per_sample_failure": "no answer found"}[kind]
+    assert len(failed) == (1 if kind == "per_sample_failure" else GROUP_SIZE)
+    for t in failed:
+        assert t.reward is None and t.finish_reason == "error" and expect in t.error
+    assert all(t.reward == 1.0 for t in group.trajectories if t.ok)
+
+
+def test_gpu_only_options_are_reported_ignored_on_cpu(harness):
+    options = harness.engine.options
+    assert options.platform == "cpu"
+    messages = [i.message(options.platform) for i in options.ignored]
+    assert any(m.startswith("policy.generation.vllm_cfg.gpu_memory_utilization=0.5 ignored on cpu") for m in messages)
+    assert options.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    harness.run(harness.engine.sleep())
+    harness.run(harness.engine.wake_up())
+    assert harness.engine.stats()["sleeps_skipped_on_cpu"] >= 1
