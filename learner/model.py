@@ -192,8 +192,9 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig):
                       moe_ffn_hidden_size=arch.moe_intermediate_size,
                       moe_router_pre_softmax=not arch.norm_topk_prob, moe_router_score_function="softmax",
                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                      # alltoall (faster at large EP) allocates CUDA streams; allgather runs anywhere.
                       moe_token_dispatcher_type="alltoall" if megatron.expert_model_parallel_size > 1
-                      else "allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+                      and torch.cuda.is_available() else "allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
                       moe_router_dtype="fp32")
     return TransformerConfig(**kwargs)
 

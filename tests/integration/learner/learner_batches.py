@@ -53,4 +53,5 @@ def make_learner(model_dir: str, **overrides):
                               optimizer=OptimizerConfig(lr=overrides.pop("lr", 1e-3), weight_decay=0.0))
     loss = overrides.pop("loss", LossConfig())
     packing = overrides.pop("packing", SequencePackingConfig(train_mb_tokens=256))
-    return Learner(model_dir, megatron, loss, packing, max_total_sequence_length=128, **overrides)
+    max_len = overrides.pop("max_total_sequence_length", 128)
+    return Learner(model_dir, megatron, loss, packing, max_total_sequence_length=max_len, **overrides)
