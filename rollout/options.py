@@ -18,6 +18,7 @@ can show it. Nothing here starts an engine.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,12 +83,13 @@ class EngineOptions:
 
 
 def _literal_values(owner: type, name: str) -> tuple[str, ...] | None:
-    try:
-        hint = typing.get_type_hints(owner)[name]
-    except Exception:  # noqa: BLE001 -- unresolvable annotations: value set unknown
+    """String values of the ``Literal`` annotation of dataclass field ``name`` (None if not a Literal)."""
+    hint = next((f.type for f in dataclasses.fields(owner) if f.name == name), None)
+    if isinstance(hint, str):  # postponed annotation: resolve a plain name in the owner's module
+        hint = getattr(sys.modules[owner.__module__], hint, None)
+    if typing.get_origin(hint) is not Literal:
         return None
-    values = typing.get_args(hint)
-    return tuple(v for v in values if isinstance(v, str)) or None
+    return tuple(v for v in typing.get_args(hint) if isinstance(v, str)) or None
 
 
 def probe_vllm() -> VllmCapabilities:

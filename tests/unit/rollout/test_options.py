@@ -1,0 +1,81 @@
+"""Recipe -> vLLM engine arguments, for CPU and GPU capability sets, without starting vLLM."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rollout.config import VllmConfig
+from rollout.options import (CUDA_GRAPH_MODE, EngineOptionError, VllmCapabilities, build_engine_options,
+                             probe_vllm)
+
+ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
+                  "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
+                  "gpu_memory_utilization", "compilation_config", "enable_expert_parallel", "moe_backend",
+                  "all2all_backend"})
+GPU = VllmCapabilities("0.25.1", "cuda", ARGS, ("auto", "triton", "flashinfer_cutlass"),
+                       ("allgather_reducescatter", "flashinfer_nvlink_one_sided"), ("NONE", CUDA_GRAPH_MODE))
+CPU = dataclasses.replace(GPU, version="0.32.0", platform="cpu")
+GPU_RECIPE = VllmConfig(tensor_parallel_size=2, expert_parallel_size=2, enforce_eager=False, max_num_seqs=64,
+                        gpu_memory_utilization=0.7, moe_backend="flashinfer_cutlass",
+                        all2all_backend="flashinfer_nvlink_one_sided", precision="bfloat16", seed=3)
+
+
+def test_gpu_recipe_maps_every_option():
+    opts = build_engine_options(GPU_RECIPE, "/m", 4096, GPU)
+    assert opts.engine_args == dict(
+        model="/m", tokenizer="/m", max_model_len=4096, seed=3, dtype="bfloat16", enforce_eager=False,
+        max_num_seqs=64, enable_prefix_caching=True, tensor_parallel_size=2, pipeline_parallel_size=1,
+        gpu_memory_utilization=0.7, compilation_config={"cudagraph_mode": CUDA_GRAPH_MODE},
+        enable_expert_parallel=True, moe_backend="flashinfer_cutlass",
+        all2all_backend="flashinfer_nvlink_one_sided")
+    assert opts.env == {}
+    assert [i.key for i in opts.ignored] == ["cpu_kvcache_space_gib"]
+    assert "moe_backend='flashinfer_cutlass' (KernelConfig.moe_backend)" in opts.applied["moe_backend"]
+
+
+def test_gpu_only_options_are_ignored_on_cpu_with_a_message():
+    opts = build_engine_options(GPU_RECIPE.model_copy(update={"cpu_kvcache_space_gib": 2.0}), "/m", 512, CPU)
+    assert opts.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    for gpu_arg in ("tensor_parallel_size", "gpu_memory_utilization", "moe_backend", "all2all_backend",
+                    "enable_expert_parallel", "compilation_config"):
+        assert gpu_arg not in opts.engine_args
+    messages = opts.describe()
+    for key in ("tensor_parallel_size=2", "expert_parallel_size=2", "moe_backend='flashinfer_cutlass'",
+                "all2all_backend='flashinfer_nvlink_one_sided'", "gpu_memory_utilization=0.7"):
+        assert any(m.startswith(f"policy.generation.vllm_cfg.{key} ignored on cpu: ") for m in messages), key
+    assert "policy.generation.vllm_cfg.cpu_kvcache_space_gib -> env VLLM_CPU_KVCACHE_SPACE=2" in messages
+
+
+def test_cpu_default_recipe_ignores_only_gpu_memory_utilization():
+    opts = build_engine_options(VllmConfig(enforce_eager=True), "/m", 512, CPU)
+    assert [i.key for i in opts.ignored] == ["gpu_memory_utilization"]
+    assert opts.engine_args["enforce_eager"] is True
+
+
+@pytest.mark.parametrize("caps,recipe,match", [
+    (dataclasses.replace(GPU, moe_backends=("auto", "triton")), GPU_RECIPE,
+     r"vllm_cfg.moe_backend='flashinfer_cutlass': not supported by the installed vLLM 0.25.1; it accepts"),
+    (dataclasses.replace(GPU, all2all_backends=("naive",)), GPU_RECIPE,
+     r"vllm_cfg.all2all_backend='flashinfer_nvlink_one_sided': not supported"),
+    (dataclasses.replace(GPU, engine_arg_names=ARGS - {"moe_backend"}), GPU_RECIPE,
+     r"vllm_cfg.moe_backend='flashinfer_cutlass': the installed vLLM 0.25.1 has no engine argument 'moe_backend'"),
+    (dataclasses.replace(GPU, cudagraph_modes=("NONE",)), GPU_RECIPE,
+     r"vllm_cfg.enforce_eager='FULL_AND_PIECEWISE'"),
+    (GPU, GPU_RECIPE.model_copy(update={"expert_parallel_size": 4}),
+     r"vllm_cfg.expert_parallel_size=4: inside one vLLM engine the expert-parallel size equals tensor_parallel_size"),
+    (CPU, VllmConfig(cpu_kvcache_space_gib=1.5),
+     r"vllm_cfg.cpu_kvcache_space_gib=1.5: a whole number of GiB on CPU"),
+])
+def test_unsupported_values_name_the_recipe_key(caps, recipe, match):
+    with pytest.raises(EngineOptionError, match=match):
+        build_engine_options(recipe, "/m", 512, caps)
+
+
+def test_probe_reads_the_installed_vllm():
+    caps = probe_vllm()
+    assert caps.platform in ("cpu", "cuda")
+    assert {"moe_backend", "all2all_backend", "enable_expert_parallel", "max_num_seqs"} <= caps.engine_arg_names
+    assert "flashinfer_cutlass" in caps.moe_backends and "flashinfer_nvlink_one_sided" in caps.all2all_backends
+    assert CUDA_GRAPH_MODE in caps.cudagraph_modes
+    build_engine_options(GPU_RECIPE, "/m", 512, dataclasses.replace(caps, platform="cuda"))
