@@ -1,0 +1,109 @@
+"""Learner step throughput vs a bare Megatron forward/backward on the same packed batch (CPU or GPU).
+
+Both sides see identical micro-batches: the bare loop runs forward + backward of the summed
+per-token log-probs and an optimizer step on the same DDP-wrapped model, without the GRPO
+bookkeeping (π_prev pass, advantages, metrics, finiteness checks). The ratio
+learner / bare says how much of the raw Megatron throughput `Learner.train_step` keeps;
+because the learner does an extra no-grad π_prev pass, a ratio near 0.75 is the cost of that
+pass rather than overhead.
+
+    python bench/learner_step.py [--arch qwen2] [--groups 8] [--group-size 8] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe"])
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--mb-tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "learner_step_cpu.json"))
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+
+    import torch
+
+    from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
+    from learner.logprobs import token_logprobs
+    from learner.trainer import Learner
+    from protocol.messages import Trajectory, TrajectoryGroup
+    from services.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.arch, seed=0, arch=args.arch, size=args.size)
+    megatron = MegatronConfig(precision="float32" if not torch.cuda.is_available() else "bfloat16",
+                              optimizer=OptimizerConfig(lr=1e-5))
+    learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=args.mb_tokens),
+                      max_total_sequence_length=512)
+    rng = np.random.default_rng(0)
+    vocab = learner.arch.vocab_size
+    groups = []
+    for g in range(args.groups):
+        prompt = rng.integers(3, vocab, int(rng.integers(16, 64))).astype(np.int32)
+        responses = [rng.integers(3, vocab, int(rng.integers(32, 256))).astype(np.int32)
+                     for _ in range(args.group_size)]
+        lps = learner.logprobs([prompt] * args.group_size, responses)
+        trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses, lps)]
+        groups.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, args.group_size, vocab))
+
+    learner.train_step(groups)  # warm-up
+    learner_s, fills, tokens = [], [], 0.0
+    for _ in range(args.steps):
+        m = learner.train_step(groups)
+        learner_s.append(m["policy_training_s"])
+        fills.append(m["fill_ratio"])
+        tokens = m["tokens_per_s"] * m["policy_training_s"]
+
+    batch = learner._collect(groups)
+    micro_batches, _ = learner._pack([s.tokens for s in batch.samples])
+    micro_batches = [mb.to(learner._device()) for mb in micro_batches]
+
+    def bare_step() -> float:
+        t0 = time.perf_counter()
+        learner.model.zero_grad_buffer()
+        learner.optim.zero_grad()
+        for mb in micro_batches:
+            token_logprobs(learner.model, mb).sum().backward()
+        learner.model.finish_grad_sync()
+        learner.optim.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    bare_step()
+    bare_s = [bare_step() for _ in range(args.steps)]
+    learner_tps = tokens / float(np.median(learner_s))
+    bare_tps = tokens / float(np.median(bare_s))
+    result = {"arch": args.arch, "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
+              "precision": megatron.precision, "tokens_per_step": tokens, "micro_batches": len(micro_batches),
+              "train_mb_tokens": args.mb_tokens, "fill_ratio": float(np.mean(fills)),
+              "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
+              "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
+              "steps": args.steps}
+    print(f"{'metric':<24}{'value':>14}")
+    for k in ("tokens_per_step", "micro_batches", "fill_ratio", "learner_step_s", "bare_step_s",
+              "learner_tokens_per_s", "bare_tokens_per_s", "ratio"):
+        v = result[k]
+        print(f"{k:<24}{v:>14.3f}" if isinstance(v, float) else f"{k:<24}{v:>14}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    learner.shutdown()
+
+
+if __name__ == "__main__":
+    main()
