@@ -1,20 +1,41 @@
 """The trajectory channel: pool engines -> learner job, as protocol bytes.
 
-Transport: a ``ray.util.queue.Queue`` actor holding object references to
-msgpack-encoded :class:`protocol.TrajectoryGroup` bytes (each reference wrapped
-in a one-element list so the queue actor does not resolve it). Chosen by
-measurement (docs/channel.md): ~10 ms per MiB and stable, no ``/dev/shm``
-leaks, and it survives attach/detach — the Compiled Graph channels measured
-faster hung at teardown and leaked semaphores on CPU.
+Transport: a small async queue actor holding object references to
+msgpack-encoded :class:`protocol.TrajectoryGroup` bytes. A sender ``ray.put``s
+the bytes and enqueues the reference (wrapped in a one-element list so the
+queue actor does not resolve it); the reader dequeues one reference at a
+time and fetches the bytes from the object store. Chosen by measurement
+(docs/channel.md, ``bench/channel.py``): no ``/dev/shm`` leaks over many
+attach/detach cycles, survives senders being killed, and is a plain actor
+handle any number of engines can hold — the Compiled Graph channels measured
+faster hung at teardown and leaked semaphores on CPU, and a streaming
+generator (faster too) would tie the stream to one engine call owned by the
+learner.
 
-The queue is created by the learner job (so it dies with the job) and is
-bounded (``maxsize``): a full queue back-pressures the engines. Every wait has
-a timeout and raises :class:`ChannelTimeout` naming the channel.
+Lifetime and ownership: the queue actor is created by the learner job (so it
+dies with the job) and :meth:`TrajectoryChannel.close` kills it. The bytes of
+a message are owned by the process that sent them; if that sender dies before
+the reader fetches the message, the message is lost: :meth:`recv` skips it,
+counts it in :attr:`TrajectoryChannel.lost` and logs a warning (the learner's
+prompt ledger accounts for groups that never arrive).
+
+Bounds: the queue holds at most ``maxsize`` references, so a slow reader
+back-pressures the engines (``send`` waits for room). Every wait has a
+timeout and raises :class:`ChannelTimeout` naming the channel; any operation
+on a closed channel (or one whose job ended) raises :class:`ChannelClosed`.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+# Extra time allowed for the queue actor to answer beyond the wait it was asked to make.
+RPC_GRACE_S = 10.0
 
 
 class ChannelTimeout(TimeoutError):
@@ -22,80 +43,158 @@ class ChannelTimeout(TimeoutError):
 
 
 class ChannelClosed(RuntimeError):
-    """The channel's queue actor is gone (its learner job ended)."""
+    """The channel was closed (its queue actor is gone, e.g. its learner job ended)."""
+
+
+class _QueueActor:
+    """A bounded FIFO of wrapped object references; runs as an async Ray actor."""
+
+    def __init__(self, maxsize: int):
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize)
+
+    async def put(self, item: list, timeout_s: float) -> bool:
+        """Enqueue ``item``; False if there was no room within ``timeout_s``."""
+        if self.queue.full():  # (asyncio.wait_for with timeout 0 would not even try)
+            try:
+                await asyncio.wait_for(self.queue.put(item), timeout_s)
+            except asyncio.TimeoutError:
+                return False
+        else:
+            self.queue.put_nowait(item)
+        return True
+
+    async def get(self, timeout_s: float) -> list[list]:
+        """The next item as ``[item]``, or ``[]`` if none arrived within ``timeout_s``."""
+        if self.queue.empty():
+            try:
+                return [await asyncio.wait_for(self.queue.get(), timeout_s)]
+            except asyncio.TimeoutError:
+                return []
+        return [self.queue.get_nowait()]
+
+    def size(self) -> int:
+        return self.queue.qsize()
+
+
+@functools.cache
+def _queue_actor_class():
+    import ray
+
+    return ray.remote(num_cpus=0)(_QueueActor)
 
 
 @dataclass
 class TrajectoryChannel:
     """Handle to one channel; picklable, so it can be given to the engines."""
 
-    queue: object  # ray.util.queue.Queue
+    actor: object  # handle of the _QueueActor
     name: str
+    maxsize: int
+    lost: int = field(default=0, compare=False)  # messages this reader found lost (sender died first)
 
     @classmethod
     def create(cls, name: str, maxsize: int) -> "TrajectoryChannel":
-        from ray.util.queue import Queue
+        """Start the queue actor (no CPU reserved); it lives as long as the calling job or until ``close``."""
+        if maxsize < 1:
+            raise ValueError(f"channel {name!r}: maxsize must be >= 1, got {maxsize}")
+        return cls(_queue_actor_class().remote(maxsize), name, maxsize)
 
-        return cls(Queue(maxsize=maxsize, actor_options={"num_cpus": 0}), name)
-
+    # ------------------------------------------------------------------ send
     def send(self, data: bytes, timeout_s: float) -> None:
-        """Put one encoded message (blocking, bounded)."""
+        """Put one encoded message; waits at most ``timeout_s`` for room."""
         import ray
-        from ray.util.queue import Full
 
-        ref = ray.put(data)
         try:
-            self.queue.put([ref], timeout=timeout_s)
-        except Full:
-            raise ChannelTimeout(f"channel {self.name!r}: no room for {timeout_s:.0f} s (reader not keeping up "
-                                 f"or gone)") from None
+            accepted = ray.get(self.actor.put.remote([ray.put(data)], timeout_s), timeout=timeout_s + RPC_GRACE_S)
+        except ray.exceptions.GetTimeoutError:
+            raise self._unresponsive(timeout_s) from None
         except ray.exceptions.RayActorError as exc:
-            raise ChannelClosed(f"channel {self.name!r} is closed: {exc}") from None
+            raise self._closed(exc) from None
+        if not accepted:
+            raise self._full(timeout_s)
 
     async def send_async(self, data: bytes, timeout_s: float) -> None:
+        """:meth:`send` for async actors (the engines): waits without blocking the event loop."""
         import ray
-        from ray.util.queue import Full
 
-        ref = ray.put(data)
         try:
-            await self.queue.put_async([ref], timeout=timeout_s)
-        except Full:
-            raise ChannelTimeout(f"channel {self.name!r}: no room for {timeout_s:.0f} s (reader not keeping up "
-                                 f"or gone)") from None
+            accepted = await asyncio.wait_for(self.actor.put.remote([ray.put(data)], timeout_s),
+                                              timeout_s + RPC_GRACE_S)
+        except asyncio.TimeoutError:
+            raise self._unresponsive(timeout_s) from None
         except ray.exceptions.RayActorError as exc:
-            raise ChannelClosed(f"channel {self.name!r} is closed: {exc}") from None
+            raise self._closed(exc) from None
+        if not accepted:
+            raise self._full(timeout_s)
 
+    # --------------------------------------------------------------- receive
     def recv(self, timeout_s: float) -> bytes:
-        """Take one encoded message (blocking, bounded)."""
+        """Take the next encoded message, waiting at most ``timeout_s`` for one to arrive."""
         import ray
-        from ray.util.queue import Empty
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            (ref,) = self._dequeue(max(0.0, deadline - time.monotonic()))
+            try:
+                return ray.get(ref, timeout=RPC_GRACE_S)
+            except ray.exceptions.ObjectLostError as exc:
+                self.lost += 1
+                log.warning("channel %r: a message was lost before it was read (its sender died?): %s",
+                            self.name, type(exc).__name__)
+            except ray.exceptions.GetTimeoutError:
+                raise ChannelTimeout(f"channel {self.name!r}: a dequeued message could not be fetched from the "
+                                     f"object store in {RPC_GRACE_S:.0f} s; it is dropped") from None
+
+    def drain(self) -> list[bytes]:
+        """Everything queued now, without waiting for more messages."""
+        out: list[bytes] = []
+        while True:
+            try:
+                out.append(self.recv(0.0))
+            except ChannelTimeout:
+                return out
+
+    def _dequeue(self, timeout_s: float) -> list:
+        """The next wrapped reference (``[ref]``); ChannelTimeout if none arrives within ``timeout_s``."""
+        import ray
 
         try:
-            (ref,) = self.queue.get(timeout=timeout_s)
-        except Empty:
-            raise ChannelTimeout(f"channel {self.name!r}: nothing arrived for {timeout_s:.1f} s") from None
+            items = ray.get(self.actor.get.remote(timeout_s), timeout=timeout_s + RPC_GRACE_S)
+        except ray.exceptions.GetTimeoutError:
+            raise self._unresponsive(timeout_s) from None
         except ray.exceptions.RayActorError as exc:
-            raise ChannelClosed(f"channel {self.name!r} is closed: {exc}") from None
-        return ray.get(ref, timeout=timeout_s)
+            raise self._closed(exc) from None
+        if not items:
+            raise ChannelTimeout(f"channel {self.name!r}: nothing arrived for {timeout_s:.1f} s")
+        return items[0]
 
-    def drain(self, timeout_s: float = 0.01) -> list[bytes]:
-        """Everything currently queued, without waiting for more."""
-        out: list[bytes] = []
-        deadline = time.monotonic() + 10 * timeout_s + 5
-        while time.monotonic() < deadline:
-            try:
-                out.append(self.recv(timeout_s))
-            except ChannelTimeout:
-                break
-        return out
-
+    # ----------------------------------------------------------------- admin
     def size(self) -> int:
-        return self.queue.qsize()
+        """Messages waiting in the queue."""
+        import ray
+
+        try:
+            return ray.get(self.actor.size.remote(), timeout=RPC_GRACE_S)
+        except ray.exceptions.GetTimeoutError:
+            raise self._unresponsive(0.0) from None
+        except ray.exceptions.RayActorError as exc:
+            raise self._closed(exc) from None
 
     def close(self) -> None:
+        """Kill the queue actor: blocked and later sends/receives raise :class:`ChannelClosed`.
+        Messages not yet read are dropped. Idempotent."""
         import ray
 
-        try:
-            ray.kill(self.queue.actor)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
+        ray.kill(self.actor, no_restart=True)  # a no-op for an actor that is already dead
+
+    # ---------------------------------------------------------------- errors
+    def _full(self, timeout_s: float) -> ChannelTimeout:
+        return ChannelTimeout(f"channel {self.name!r}: no room for {timeout_s:.1f} s (queue full at "
+                              f"{self.maxsize}: the reader is not keeping up or is gone)")
+
+    def _unresponsive(self, timeout_s: float) -> ChannelTimeout:
+        return ChannelTimeout(f"channel {self.name!r}: the queue actor did not answer within "
+                              f"{timeout_s + RPC_GRACE_S:.1f} s")
+
+    def _closed(self, exc: Exception) -> ChannelClosed:
+        return ChannelClosed(f"channel {self.name!r} is closed (its queue actor is gone: {type(exc).__name__})")

@@ -1,0 +1,33 @@
+"""Fixtures for the services integration tests: one private local Ray cluster per session.
+
+Another Ray cluster may be running on the machine, so the cluster is always a
+fresh local one (``address="local"``) with its own temp dir, no dashboard and a
+small object store; it is shut down when the session ends.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+OBJECT_STORE_BYTES = 384 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Start a private local Ray (namespace ``inflight``) once; yields its GCS address."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        raise RuntimeError("ray_cluster: Ray is already initialized in this process; refusing to share it")
+    temp_dir = tempfile.mkdtemp(prefix="inflight-test-ray-")
+    ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+             namespace="inflight", log_to_driver=True)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
