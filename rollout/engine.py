@@ -201,6 +201,10 @@ class RolloutEngine:
         llm, self._llm = self._llm, None
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
         if llm is not None:
+            # Stop AsyncLLM's output loop first, or it reports the engine core's exit as an engine failure.
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
             del llm
             gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit

