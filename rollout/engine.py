@@ -181,6 +181,8 @@ class RolloutEngine:
         self._options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len)
         for line in self._options.describe():
             logger.info("rollout engine %s: %s", self.engine_id, line)
+        for ignored in self._options.ignored:
+            logger.warning("rollout engine %s: %s", self.engine_id, ignored.message(self._options.platform))
         os.environ.update(self._options.env)
         self._expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -189,7 +191,7 @@ class RolloutEngine:
         try:
             self._llm = await asyncio.wait_for(asyncio.shield(build), self.start_timeout_s)
         except asyncio.TimeoutError:
-            build.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
+            build.add_done_callback(_shutdown_late_engine)
             raise EngineError(f"rollout engine {self.engine_id}: vLLM did not start within "
                               f"{self.start_timeout_s:g}s ({self.model_path})") from None
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
@@ -384,7 +386,10 @@ class RolloutEngine:
                 raise ValueError("logprobs_of: a prompt must have at least one token")
             params = self._sampling_params(0, max_tokens=1, prompt_logprobs=0)
             tokens = list(prompt) + list(response)
-            out = await self._run_request(tokens, params, self.generation.request_timeout_s)
+            try:
+                out = await self._run_request(tokens, params, self.generation.request_timeout_s)
+            except SampleFailed as exc:
+                raise EngineError(f"rollout engine {self.engine_id}: logprobs_of failed: {exc}") from None
             per_pos = out.prompt_logprobs
             return np.array([per_pos[p][tokens[p]].logprob for p in range(len(prompt), len(tokens))],
                             dtype=np.float32)
@@ -443,6 +448,12 @@ class RolloutEngine:
         finally:
             await _with_timeout(llm.resume_generation(), timeout, "resume_generation after a weight update")
             self._stats.pause_seconds_last = time.perf_counter() - paused_at
+
+
+def _shutdown_late_engine(build: asyncio.Future) -> None:
+    """Shut down an engine that finished starting after :meth:`RolloutEngine.start` gave up on it."""
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()
 
 
 def _failed(reason: str) -> Trajectory:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import numpy as np
@@ -16,10 +17,15 @@ from rollout.weight_receiver import WeightUpdateError
 from rollout_engine_helpers import GROUP_SIZE, model_tensors, push_model
 
 
+@functools.lru_cache(maxsize=2)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_logprobs(model_dir: str, prompt: list[int], response: list[int]) -> np.ndarray:
     """Float32 ``transformers`` log-probs of ``response`` given ``prompt``."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     tokens = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
         logits = model(tokens).logits[0, :-1].float()
@@ -98,7 +104,12 @@ def test_push_changes_outputs_and_restoring_is_bit_identical(harness, tiny_model
     assert stats["refits"] >= 2 and stats["refit_bytes_total"] > 0 and stats["refit_seconds_last"] > 0
 
 
-def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2):
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2, recompute_kv):
+    """Tokens sampled before the pause carry v and match the old weights; the rest carry v+1.
+
+    With the KV cache recomputed after the update, the v+1 tokens match a full
+    forward of the new weights; with the old KV kept, they differ from the old weights."""
     engine = harness.engine
     reqs = prompts(harness, 3, seed=11)
     old_max = engine.generation.max_new_tokens
@@ -108,16 +119,18 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
         tasks = [asyncio.create_task(engine.generate_group(r, GROUP_SIZE)) for r in reqs]
         while engine.stats()["requests_running"] < len(reqs) * GROUP_SIZE:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(1.0)  # let every sample produce some tokens under v
+        await asyncio.sleep(0.5)  # let every sample produce some tokens under v
         manifest, buckets = pack_buckets(model_tensors(tiny_model_dir_v2), v + 1, 1 << 20)
         await engine.apply_weights(manifest, buckets)
         return await asyncio.gather(*tasks)
 
-    engine.generation.max_new_tokens = 256
+    engine.generation.max_new_tokens = 400
+    engine.recompute_kv_cache_after_weight_updates = recompute_kv
     try:
         groups = harness.run(scenario())
     finally:
         engine.generation.max_new_tokens = old_max
+        engine.recompute_kv_cache_after_weight_updates = False
         push_model(harness, tiny_model_dir)
     split = 0
     for request, group in zip(reqs, groups):
@@ -127,11 +140,15 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
             assert set(np.unique(t.versions)) <= {v, v + 1}
             assert (np.diff(t.versions) >= 0).all()
             k = int((t.versions == v).sum())
-            ref_old = hf_logprobs(tiny_model_dir, request.prompt_ids.tolist(), t.response_ids.tolist())
+            prompt, response = request.prompt_ids.tolist(), t.response_ids.tolist()
+            ref_old = hf_logprobs(tiny_model_dir, prompt, response)
             np.testing.assert_allclose(t.logprobs[:k], ref_old[:k], atol=2e-4)
             if 0 < k < t.response_ids.size:
                 split += 1
                 assert abs(t.logprobs[k] - ref_old[k]) > 1e-2, "the first v+1 token must not be old weights"
+                if recompute_kv:
+                    ref_new = hf_logprobs(tiny_model_dir_v2, prompt, response)
+                    np.testing.assert_allclose(t.logprobs[k:], ref_new[k:], atol=2e-4)
     assert split >= 1, "no sample straddled the update"
 
 

@@ -1,0 +1,10 @@
+"""Rollout side of Inflight: vLLM engines that sample scored groups and take weight pushes in flight.
+
+- :mod:`rollout.engine` -- :class:`~rollout.engine.RolloutEngine` around vLLM's ``AsyncLLM``;
+- :mod:`rollout.options` -- recipe ``vllm_cfg`` -> engine arguments, checked against the installed vLLM;
+- :mod:`rollout.weight_receiver` -- verify a weight push and stage it in shared memory;
+- :mod:`rollout.rewards` / :mod:`rollout.tasks` -- reward functions and prompt sources.
+
+This package speaks only :mod:`protocol`; it never imports ``learner`` or ``services``.
+Importing it does not import vLLM.
+"""
