@@ -188,12 +188,13 @@ class RolloutEngine:
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         engine_args = AsyncEngineArgs(**self._options.engine_args)
         build = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
-        try:
-            self._llm = await asyncio.wait_for(asyncio.shield(build), self.start_timeout_s)
-        except asyncio.TimeoutError:
+        done, _ = await asyncio.wait({build}, timeout=self.start_timeout_s)
+        if not done:
             build.add_done_callback(_shutdown_late_engine)
             raise EngineError(f"rollout engine {self.engine_id}: vLLM did not start within "
-                              f"{self.start_timeout_s:g}s ({self.model_path})") from None
+                              f"{self.start_timeout_s:g}s ({self.model_path})")
+        self._llm = build.result()
+        del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
         await _with_timeout(self._llm.update_weight_version(str(self._version)), self.weight_update_timeout_s,
                             "setting the initial weight version")

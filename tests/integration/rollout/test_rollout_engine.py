@@ -102,6 +102,8 @@ def test_push_changes_outputs_and_restoring_is_bit_identical(harness, tiny_model
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
     stats = engine.stats()
     assert stats["refits"] >= 2 and stats["refit_bytes_total"] > 0 and stats["refit_seconds_last"] > 0
+    print(f"\nrefit {stats['refit_seconds_last'] * 1e3:.0f} ms (pause {stats['pause_seconds_last'] * 1e3:.0f} ms), "
+          f"{stats['refit_bytes_total'] // stats['refits']} bytes per push")
 
 
 @pytest.mark.parametrize("recompute_kv", [False, True])
