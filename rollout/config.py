@@ -64,7 +64,7 @@ class GenerationConfig(ConfigModel):
     stop_strings: list[str] = Field(default_factory=list)
     """Extra strings that end an answer (EOS always does)."""
     request_timeout_s: float = Field(600.0, gt=0.0)
-    """Deadline for one group; a group that exceeds it is aborted and reported."""
+    """Deadline for one sample attempt; an attempt that exceeds it is aborted in the engine and retried."""
     max_retries: int = Field(2, ge=0, le=10)
     """Times a failed or timed-out sample is regenerated before it is dropped with a reason."""
     colocated: ColocatedConfig = Field(default_factory=lambda: ColocatedConfig())

@@ -114,16 +114,6 @@ class EngineStats:
     last_error: str = ""
 
 
-def _with_timeout(awaitable, seconds: float, what: str):
-    """Await ``awaitable`` for at most ``seconds``; a timeout names the component and the step."""
-    async def run():
-        try:
-            return await asyncio.wait_for(awaitable, seconds)
-        except asyncio.TimeoutError:
-            raise EngineError(f"rollout engine: {what} did not finish within {seconds:g}s") from None
-    return run()
-
-
 class RolloutEngine:
     """One vLLM engine serving a policy version: samples scored groups and takes weight pushes in flight."""
 
@@ -196,7 +186,7 @@ class RolloutEngine:
         self._llm = build.result()
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
-        await _with_timeout(self._llm.update_weight_version(str(self._version)), self.weight_update_timeout_s,
+        await self._bounded(self._llm.update_weight_version(str(self._version)),
                             "setting the initial weight version")
 
     async def shutdown(self) -> None:
@@ -218,14 +208,14 @@ class RolloutEngine:
         if self._options.platform == "cpu":
             self._stats.sleeps_skipped_on_cpu += 1
             return
-        await _with_timeout(llm.sleep(level=1), self.weight_update_timeout_s, "sleep")
+        await self._bounded(llm.sleep(level=1), "sleep")
 
     async def wake_up(self) -> None:
         """Take the memory back after :meth:`sleep`; no-op on CPU."""
         llm = self._require_started()
         if self._options.platform == "cpu":
             return
-        await _with_timeout(llm.wake_up(), self.weight_update_timeout_s, "wake_up")
+        await self._bounded(llm.wake_up(), "wake_up")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -255,6 +245,15 @@ class RolloutEngine:
         out = dict(vars(self._stats))
         out.update(version=self._version, engine_id=self.engine_id, weights_broken=self._weights_broken)
         return out
+
+    async def _bounded(self, awaitable, what: str, seconds: float | None = None):
+        """Await ``awaitable`` for at most ``seconds`` (default ``weight_update_timeout_s``); a timeout
+        raises :class:`EngineError` naming this engine and the step."""
+        seconds = self.weight_update_timeout_s if seconds is None else seconds
+        try:
+            return await asyncio.wait_for(awaitable, seconds)
+        except asyncio.TimeoutError:
+            raise EngineError(f"rollout engine {self.engine_id}: {what} did not finish within {seconds:g}s") from None
 
     def _require_started(self):
         if self._llm is None:
@@ -301,6 +300,8 @@ class RolloutEngine:
         except SampleFailed:
             raise
         except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
+            if self._llm is not None and self._llm.errored:
+                raise EngineError(f"rollout engine {self.engine_id}: vLLM engine died: {exc!r}") from exc
             raise SampleFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
         c = out.outputs[0]
         if c.finish_reason not in ("stop", "length"):
@@ -425,19 +426,18 @@ class RolloutEngine:
 
     async def _swap(self, llm, staged, version: int) -> None:
         """Pause (keep), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
-        timeout = self.weight_update_timeout_s
         paused_at = time.perf_counter()
-        await _with_timeout(llm.pause_generation(mode="keep",
-                                                 clear_cache=self.recompute_kv_cache_after_weight_updates),
-                            timeout, "pause_generation before a weight update")
+        await self._bounded(llm.pause_generation(mode="keep",
+                                                  clear_cache=self.recompute_kv_cache_after_weight_updates),
+                            "pause_generation before a weight update")
         try:
             try:
-                await _with_timeout(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)}),
-                                    timeout, f"reload_weights of v{version}")
-                if not await _with_timeout(llm.reset_prefix_cache(), timeout, "reset_prefix_cache"):
+                await self._bounded(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)}),
+                                    f"reload_weights of v{version}")
+                if not await self._bounded(llm.reset_prefix_cache(), "reset_prefix_cache"):
                     # Blocks of running requests are still in use; new requests are salted by version instead.
                     self._stats.prefix_cache_reset_deferred += 1
-                await _with_timeout(llm.update_weight_version(str(version)), timeout, "update_weight_version")
+                await self._bounded(llm.update_weight_version(str(version)), "update_weight_version")
             except Exception as exc:
                 # The workers may hold a mix of old and new weights: refuse to sample until a push succeeds.
                 self._weights_broken = f"installing v{version} failed: {type(exc).__name__}: {exc}"
@@ -447,7 +447,7 @@ class RolloutEngine:
             self._version = version
             self._weights_broken = ""
         finally:
-            await _with_timeout(llm.resume_generation(), timeout, "resume_generation after a weight update")
+            await self._bounded(llm.resume_generation(), "resume_generation after a weight update")
             self._stats.pause_seconds_last = time.perf_counter() - paused_at
 
 
