@@ -398,16 +398,20 @@ class RolloutEngine:
         return list(await asyncio.gather(*(one(p, r) for p, r in zip(prompt_ids, response_ids))))
 
     # ------------------------------------------------------------------ weights
-    async def apply_weights(self, manifest: WeightManifest, buckets: list[WeightBucket]) -> int:
+    async def apply_weights(self, manifest: WeightManifest, buckets: list[WeightBucket], *,
+                            reset: bool = False) -> int:
         """Install a complete weight push in flight; returns the new version.
 
-        Raises :class:`WeightUpdateError` (old version still serving) if the
-        push is rejected or cannot be installed."""
+        The version must be above the one being served unless ``reset`` (a
+        learner attaching to or re-syncing this engine installs its own
+        version, whatever it is). Raises :class:`WeightUpdateError` (old
+        version still serving) if the push is rejected or cannot be installed."""
         llm = self._require_started()
         async with self._update_lock:
             started = time.perf_counter()
             try:
-                tensors = await asyncio.to_thread(verify_push, manifest, buckets, self._expected, self._version)
+                tensors = await asyncio.to_thread(verify_push, manifest, buckets, self._expected,
+                                                  None if reset else self._version)
                 staged = await asyncio.to_thread(stage_push, tensors, manifest.version, self.engine_id)
             except WeightUpdateError as exc:
                 self._stats.refit_rejected += 1

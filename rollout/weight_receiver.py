@@ -5,7 +5,8 @@ Before anything touches the engine, :func:`verify_push` checks that
 
 1. the push is complete and intact (every bucket present once, sizes and
    CRC32 checksums match -- :func:`protocol.weights.unpack_buckets`);
-2. the version moves forward (``manifest.version > current``);
+2. the version moves forward (``manifest.version > current``), unless the
+   caller re-syncs the engine to a learner (then any version is accepted);
 3. it names exactly the model's parameters, each once, with the shape and
    dtype the model's checkpoint has (:class:`ExpectedParams`, read from the
    safetensors headers of the model directory without loading any tensor).
@@ -91,9 +92,11 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
 
 
 def verify_push(manifest: WeightManifest, buckets: list[WeightBucket], expected: ExpectedParams,
-                current_version: int) -> list[tuple[TensorSpec, np.ndarray]]:
-    """Check a push completely; returns ``(spec, raw bytes)`` per tensor or raises :class:`WeightUpdateError`."""
-    if manifest.version <= current_version:
+                current_version: int | None) -> list[tuple[TensorSpec, np.ndarray]]:
+    """Check a push completely; returns ``(spec, raw bytes)`` per tensor or raises :class:`WeightUpdateError`.
+
+    ``current_version=None`` skips the version-order check (a learner re-syncing the engine)."""
+    if current_version is not None and manifest.version <= current_version:
         raise WeightUpdateError(f"weight push rejected: manifest.version {manifest.version} must be greater "
                                 f"than the version being served ({current_version})")
     try:

@@ -69,6 +69,11 @@ def test_bad_pushes_are_rejected_with_the_reason(case, match):
         verify_push(manifest, buckets, EXPECTED, current)
 
 
+def test_reset_accepts_any_version():
+    manifest, buckets = pack_buckets(tensors(), version=0, bucket_bytes=64)
+    assert [spec.name for spec, _ in verify_push(manifest, buckets, EXPECTED, None)] == ["a.weight", "b.weight"]
+
+
 def test_expected_params_from_model_dir(tiny_model_dir):
     expected = ExpectedParams.from_model_dir(tiny_model_dir)
     assert expected.params["lm_head.weight"] == ParamSpec((448, 128), "float32")
