@@ -6,10 +6,10 @@ tokenizer's chat template (one user turn, generation prompt appended) and
 whose ``task`` dict carries what the matching reward function needs. The same
 seed always gives the same prompts, and ``prompt_id`` is ``f"{task}-{i}"``.
 
-- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter c." The
-  targets are the letters whose space-prefixed form (`` c``) is one token of
-  the tokenizer, so a perfect answer is `` c c c c ...``;
-  ``task = {"target": "c", "target_token_id": <id of " c">}``.
+- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter b." The
+  targets are the first two letters whose space-prefixed form (`` a``) is one token of
+  the tokenizer, so a perfect answer is `` b b b b ...``;
+  ``task = {"target": "b", "target_token_id": <id of " b">}``.
 - ``arithmetic`` (rewards ``math_exact`` / ``format``): "What is a plus b?"
   with ``task = {"answer": a + b}``.
 """
@@ -21,8 +21,9 @@ import string
 from protocol import PromptRequest
 
 TASKS = ("repeat_letter", "arithmetic")
-MAX_REPEAT_TARGETS = 4
-"""Letters the repeat task draws from: few enough that a tiny model learns every one within ~20 steps."""
+MAX_REPEAT_TARGETS = 2
+"""Letters the repeat task draws from. Two: a tiny random model then learns the task within ~20 GRPO
+steps (mean reward 0.001 -> ~0.6); with four it only reached ~0.2 in the same steps."""
 
 
 def repeat_targets(tokenizer) -> list[tuple[str, int]]:
