@@ -85,7 +85,7 @@ class _Sample:
 
     token_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    versions: np.ndarray
     finish_reason: str
     text: str
 
@@ -318,7 +318,7 @@ class RolloutEngine:
             covered += span.end - span.start
         if covered != len(ids):
             raise SampleFailed(f"engine reported weight versions for {covered} of {len(ids)} tokens")
-        return _Sample(ids, lps, versions.tolist(), c.finish_reason, c.text)
+        return _Sample(ids, lps, versions, c.finish_reason, c.text)
 
     async def _sample_with_retries(self, request: PromptRequest, index: int) -> _Sample | SampleFailed:
         failure = SampleFailed("not attempted")

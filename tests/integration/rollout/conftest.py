@@ -1,4 +1,4 @@
-"""One real vLLM rollout engine per test session, driven from a private event loop.
+"""One real vLLM rollout engine for the rollout integration tests, driven from a private event loop.
 
 The engine (tiny Qwen2, float32, eager) starts once; tests run coroutines on
 its loop with :func:`run`. Tests that change the engine's weights, sampling
@@ -31,8 +31,9 @@ class EngineHarness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def harness(tiny_model_dir):
+    """The started engine; module-scoped so it is shut down (its core and RAM freed) before other packages' tests."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="rollout-engine-loop", daemon=True)
     thread.start()
