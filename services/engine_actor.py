@@ -97,7 +97,7 @@ class EngineActor:
     async def stats(self) -> dict:
         s = dict(self.engine.stats())
         s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
-                 running_batches=len(self._tasks))
+                 running_batches=len(self._tasks), pid=self.pid)
         return s
 
     async def shutdown(self) -> None:

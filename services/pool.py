@@ -63,10 +63,20 @@ class RolloutPool:
         self._refit_lock = asyncio.Lock()
         self._started_at = time.time()
         self._errors: list[str] = []
+        self._counted: dict[str, dict[str, int]] = {}
         self._ready = asyncio.Event()
-        loop = asyncio.get_event_loop()
-        self._boot = loop.create_task(self._start_engines())
-        self._monitor = loop.create_task(self._watch_engines())
+        self._boot: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        """Start the engines and the health monitor on the loop that serves requests.
+
+        (Not in the constructor: with a FastAPI ingress Serve runs ``__init__`` on a loop that stops
+        afterwards, which would freeze any task started there — measured.)"""
+        if self._boot is None:
+            loop = asyncio.get_running_loop()
+            self._boot = loop.create_task(self._start_engines())
+            self._monitor = loop.create_task(self._watch_engines())
 
     # ------------------------------------------------------------ engines
     async def _start_engines(self) -> None:
@@ -90,8 +100,8 @@ class RolloutPool:
                 r.env.reward_timeout_s, r.grpo.async_grpo.recompute_kv_cache_after_weight_updates,
                 channel_timeout_s=gen.request_timeout_s)
         boot_timeout = 600.0
-        results = await asyncio.gather(*[asyncio.wait_for(_ref(e.start.remote()), boot_timeout)
-                                         for e in self.engines.values()], return_exceptions=True)
+        results = await asyncio.gather(*[self._boot_one(e, boot_timeout) for e in self.engines.values()],
+                                       return_exceptions=True)
         for eid, res in zip(self.engines, results):
             ok = not isinstance(res, BaseException)
             self.engine_state[eid] = {"up": ok, "version": res["version"] if ok else None,
@@ -102,34 +112,56 @@ class RolloutPool:
         self.metrics.policy_version.set(self.version)
         self._ready.set()
 
+    async def _boot_one(self, engine, timeout_s: float) -> dict:
+        """Wait until the actor answers, then start its engine. (Measured: a ``start`` call submitted from
+        the replica while the actor was still being created never arrived; a first cheap call fixes it.)"""
+        await asyncio.wait_for(engine.health.remote(), timeout_s)
+        return await asyncio.wait_for(engine.start.remote(), timeout_s)
+
     async def _watch_engines(self) -> None:
         await self._ready.wait()
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             for eid, eng in self.engines.items():
                 try:
-                    h = await asyncio.wait_for(_ref(eng.health.remote()), HEALTH_TIMEOUT_S)
+                    h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
                     if not h["ok"]:
-                        await asyncio.wait_for(_ref(eng.start.remote()), 600)
-                        h = await asyncio.wait_for(_ref(eng.health.remote()), HEALTH_TIMEOUT_S)
+                        await asyncio.wait_for(eng.start.remote(), 600)
+                        h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
                     if h["version"] != self.version and self._latest_weights is not None:
                         await self._apply_to(eid, *self._latest_weights, reset=True)
                         h["version"] = self.version
                     self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
                     self.metrics.engine_up.labels(engine=eid).set(1)
+                    self._count(eid, await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S))
                 except Exception as exc:  # noqa: BLE001 - recorded, retried next period
                     self.engine_state[eid].update(up=False, error=f"{type(exc).__name__}: {exc}"[:300])
                     self.metrics.engine_up.labels(engine=eid).set(0)
+
+    def _count(self, eid: str, stats: dict) -> None:
+        """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted
+        engine starts from zero again)."""
+        seen = self._counted.setdefault(eid, {"pid": stats.get("pid"), "tokens": 0, "groups": 0})
+        if seen["pid"] != stats.get("pid"):
+            seen.update(pid=stats.get("pid"), tokens=0, groups=0)
+        for key, stat, counter in (("tokens", "tokens_generated", self.metrics.generation_tokens),
+                                   ("groups", "groups", self.metrics.groups_generated)):
+            now = int(stats.get(stat, 0))
+            if now > seen[key]:
+                counter.inc(now - seen[key])
+            seen[key] = now
 
     def _healthy(self) -> list[str]:
         return [e for e, s in self.engine_state.items() if s.get("up") and s.get("version") == self.version]
 
     # ------------------------------------------------------------ learner API (DeploymentHandle)
     async def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        self._ensure_started()
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         return await self.status()
 
     async def attach(self, learner_id: str, channel) -> dict:
+        self._ensure_started()
         if self.learner and self.learner["id"] != learner_id:
             log.warning("pool %s: learner %s replaces %s", self.name, learner_id, self.learner["id"])
         self.learner = {"id": learner_id, "since": time.time()}
@@ -161,7 +193,7 @@ class RolloutPool:
             self._next_engine += 1
         for eid, part in shares.items():
             if part:
-                await _ref(self.engines[eid].submit.remote(part, group_size, self.channel))
+                await self.engines[eid].submit.remote(part, group_size, self.channel)
         return len(prompt_bytes)
 
     async def update_weights(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> dict:
@@ -194,21 +226,21 @@ class RolloutPool:
 
     async def _apply_to(self, eid: str, manifest_bytes: bytes, refs: list, reset: bool) -> int:
         timeout = self.recipe.policy.generation.request_timeout_s
-        version = await asyncio.wait_for(_ref(self.engines[eid].apply_weights.remote(manifest_bytes, refs, reset)),
+        version = await asyncio.wait_for(self.engines[eid].apply_weights.remote(manifest_bytes, refs, reset),
                                          timeout)
         self.engine_state.setdefault(eid, {}).update(version=version)
         return version
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         healthy = self._healthy() or list(self.engines)
-        return await asyncio.wait_for(_ref(self.engines[healthy[0]].logprobs_of.remote(prompt_ids, response_ids)),
+        return await asyncio.wait_for(self.engines[healthy[0]].logprobs_of.remote(prompt_ids, response_ids),
                                       self.recipe.policy.generation.request_timeout_s)
 
     async def sleep_engines(self) -> None:
-        await asyncio.gather(*[_ref(e.sleep.remote()) for e in self.engines.values()])
+        await asyncio.gather(*[e.sleep.remote() for e in self.engines.values()])
 
     async def wake_engines(self) -> None:
-        await asyncio.gather(*[_ref(e.wake_up.remote()) for e in self.engines.values()])
+        await asyncio.gather(*[e.wake_up.remote() for e in self.engines.values()])
 
     async def report_step(self, report: dict) -> None:
         self.metrics.record_step(report)
@@ -217,12 +249,13 @@ class RolloutPool:
         out = {}
         for eid, eng in self.engines.items():
             try:
-                out[eid] = await asyncio.wait_for(_ref(eng.stats.remote()), HEALTH_TIMEOUT_S)
+                out[eid] = await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001
                 out[eid] = {"error": repr(exc)[:200]}
         return out
 
     async def status(self) -> dict:
+        self._ensure_started()
         return {"name": self.name, "version": self.version, "ready": self._is_ready(),
                 "learner": self.learner, "paused": self.paused, "draining": self.draining,
                 "engines": self.engine_state, "uptime_s": time.time() - self._started_at,
@@ -237,15 +270,15 @@ class RolloutPool:
 
         for eng in self.engines.values():
             try:
-                await asyncio.wait_for(_ref(eng.shutdown.remote()), 60)
+                await asyncio.wait_for(eng.shutdown.remote(), 60)
             except Exception:  # noqa: BLE001 - killed below anyway
                 pass
             ray.kill(eng, no_restart=True)
         self.engines.clear()
 
     def check_health(self) -> None:
-        """Serve's replica health check: the controller's loops must be alive."""
-        if self._monitor.done() and not self._monitor.cancelled():
+        """Serve's periodic replica health check: fails if the health monitor died."""
+        if self._monitor is not None and self._monitor.done() and not self._monitor.cancelled():
             raise RuntimeError(f"pool monitor stopped: {self._monitor.exception()!r}")
 
     # ------------------------------------------------------------ HTTP
@@ -296,10 +329,6 @@ class RolloutPool:
         self._authorize(authorization)
         self.draining = True
         return {"draining": True}
-
-
-async def _ref(ref):
-    return await ref
 
 
 # ---------------------------------------------------------------- deploy / connect

@@ -22,8 +22,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: s
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address != "local":
+        address = address or os.environ.get("RAY_ADDRESS") or None
+    if address and address != "local":
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
     else:
         temp_dir = temp_dir or tempfile.mkdtemp(prefix="inflight-ray-")

@@ -110,3 +110,9 @@ def test_every_field_has_a_description():
             if isinstance(ann, type) and hasattr(ann, "model_fields"):
                 walk(ann, f"{prefix}{name}.")
     walk(Recipe)
+
+
+def test_configuration_reference_is_up_to_date():
+    from services.config_docs import render
+    doc = (RECIPES_DIR.parent / "docs" / "configuration.md").read_text()
+    assert doc == render(), "docs/configuration.md is stale: run `python -m services.config_docs > docs/configuration.md`"
