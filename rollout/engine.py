@@ -119,7 +119,8 @@ class RolloutEngine:
 
     def __init__(self, model_path: str, generation: GenerationConfig, max_model_len: int,
                  reward_fn: RewardFn, engine_id: str = "0", initial_version: int = 0, *,
-                 recompute_kv_cache_after_weight_updates: bool = False, reward_timeout_s: float = 30.0,
+                 recompute_kv_cache_after_weight_updates: bool = False, in_flight_weight_updates: bool = True,
+                 reward_timeout_s: float = 30.0,
                  start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0):
         if max_model_len < 16:
             raise ValueError(f"max_model_len: expected >= 16, got {max_model_len}")
@@ -140,6 +141,9 @@ class RolloutEngine:
         """Scores each group; may be replaced between calls."""
         self.engine_id = engine_id
         self.recompute_kv_cache_after_weight_updates = recompute_kv_cache_after_weight_updates
+        self.pause_mode = "keep" if in_flight_weight_updates else "wait"
+        """``keep``: running requests freeze during an update and continue with the new weights (in flight);
+        ``wait``: the update waits until running requests finish (no request mixes versions)."""
         self.reward_timeout_s = reward_timeout_s
         self.start_timeout_s = start_timeout_s
         self.weight_update_timeout_s = weight_update_timeout_s
@@ -429,7 +433,7 @@ class RolloutEngine:
             return self._version
 
     async def _swap(self, llm, staged, version: int) -> None:
-        """Pause (keep), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
+        """Pause (``pause_mode``), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
         paused_at = time.perf_counter()
         await self._bounded(llm.pause_generation(mode="keep",
                                                   clear_cache=self.recompute_kv_cache_after_weight_updates),

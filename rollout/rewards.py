@@ -21,10 +21,11 @@ Shipped functions (``get_reward_fn(name)``):
 - ``format``: 1.0 if the response ends with an answer in a checkable form
   (``\\boxed{...}`` or ``The answer is N``), else 0.0.
 - ``repeat_letter``: the toy task of the embedded CPU default (see
-  :mod:`rollout.tasks`): the fraction of response tokens that equal the
-  target letter's token id ``task["target_token_id"]``. The reward is dense
-  (every token counts), so a tiny random model gets a learning signal from
-  the first step.
+  :mod:`rollout.tasks`): the fraction of response tokens that start with the
+  target letter (``task["target_token_ids"]``, comma-separated ids; the
+  exact `` a`` token ``task["target_token_id"]`` alone when that is absent).
+  The reward is dense (every token counts, ~5 % of random tokens earn
+  credit), so a tiny random model gets a learning signal from the first step.
 """
 from __future__ import annotations
 
@@ -108,16 +109,30 @@ def format_reward(batch: list[RewardInput]) -> list[RewardResult]:
 
 
 def repeat_letter(batch: list[RewardInput]) -> list[RewardResult]:
-    """Fraction of response tokens equal to ``task["target_token_id"]`` (0.0 for an empty response)."""
+    """Fraction of response tokens in the target set (0.0 for an empty response)."""
     out: list[RewardResult] = []
     for sample in batch:
-        target = sample.task.get("target_token_id")
-        if isinstance(target, bool) or not isinstance(target, int):
-            out.append(RewardFailure(f"repeat_letter: task['target_token_id'] must be an int, got {target!r}"))
+        targets = _repeat_targets(sample.task)
+        if isinstance(targets, RewardFailure):
+            out.append(targets)
             continue
         ids = list(sample.response_ids)
-        out.append(sum(1 for t in ids if t == target) / len(ids) if ids else 0.0)
+        out.append(sum(1 for t in ids if t in targets) / len(ids) if ids else 0.0)
     return out
+
+
+def _repeat_targets(task: dict) -> set[int] | RewardFailure:
+    many = task.get("target_token_ids")
+    if many is not None:
+        try:
+            return {int(x) for x in str(many).split(",") if x.strip()}
+        except ValueError:
+            return RewardFailure(f"repeat_letter: task['target_token_ids'] must be comma-separated ints, "
+                                 f"got {many!r}")
+    one = task.get("target_token_id")
+    if isinstance(one, bool) or not isinstance(one, int):
+        return RewardFailure(f"repeat_letter: task['target_token_id'] must be an int, got {one!r}")
+    return {one}
 
 
 REWARD_FNS: dict[str, RewardFn] = {

@@ -6,10 +6,15 @@ tokenizer's chat template (one user turn, generation prompt appended) and
 whose ``task`` dict carries what the matching reward function needs. The same
 seed always gives the same prompts, and ``prompt_id`` is ``f"{task}-{i}"``.
 
-- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter b." The
-  targets are the first two letters whose space-prefixed form (`` a``) is one token of
-  the tokenizer, so a perfect answer is `` b b b b ...``;
-  ``task = {"target": "b", "target_token_id": <id of " b">}``.
+- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter a." The
+  targets are the two letters that begin the most vocabulary tokens (and whose
+  space-prefixed form `` a`` is one token, so a perfect answer `` a a a ...``
+  exists). Every token whose text starts with the letter earns credit
+  (``task["target_token_ids"]``, comma-separated): about 5 % of a tiny
+  model's vocabulary, so almost every group of random answers already has
+  reward differences to learn from — with only the exact `` a`` token, 7 of 8
+  groups had all-zero rewards and no gradient (measured).
+  ``task = {"target": "a", "target_token_id": <id of " a">, "target_token_ids": "12,45,..."}``.
 - ``arithmetic`` (rewards ``math_exact`` / ``format``): "What is a plus b?"
   with ``task = {"answer": a + b}``.
 """
@@ -22,21 +27,24 @@ from protocol import PromptRequest
 
 TASKS = ("repeat_letter", "arithmetic")
 MAX_REPEAT_TARGETS = 2
-"""Letters the repeat task draws from. Two: a tiny random model then learns the task within ~20 GRPO
-steps (mean reward 0.001 -> ~0.6); with four it only reached ~0.2 in the same steps."""
+"""Letters the repeat task draws from (fewer letters: faster visible learning on a tiny model)."""
 
 
-def repeat_targets(tokenizer) -> list[tuple[str, int]]:
-    """``(letter, token id of " letter")`` for the first letters that are single tokens."""
-    targets: list[tuple[str, int]] = []
+def repeat_targets(tokenizer) -> list[tuple[str, int, list[int]]]:
+    """``(letter, token id of " letter", ids of every token starting with the letter)`` for the letters
+    that begin the most tokens, among those whose `` letter`` is a single token."""
+    texts = [tokenizer.decode([i]).strip().lower() for i in range(len(tokenizer))]
+    candidates = []
     for letter in string.ascii_lowercase:
         ids = tokenizer.encode(" " + letter, add_special_tokens=False)
         if len(ids) == 1:
-            targets.append((letter, int(ids[0])))
-        if len(targets) == MAX_REPEAT_TARGETS:
-            return targets
-    raise ValueError(f"repeat_letter: the tokenizer has {len(targets)} single-token letters ' a'..' z', "
-                     f"the task needs {MAX_REPEAT_TARGETS}")
+            starting = [i for i, t in enumerate(texts) if t.startswith(letter)]
+            candidates.append((letter, int(ids[0]), starting))
+    if len(candidates) < MAX_REPEAT_TARGETS:
+        raise ValueError(f"repeat_letter: the tokenizer has {len(candidates)} single-token letters ' a'..' z', "
+                         f"the task needs {MAX_REPEAT_TARGETS}")
+    candidates.sort(key=lambda c: (-len(c[2]), c[0]))
+    return sorted(candidates[:MAX_REPEAT_TARGETS])
 
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:
@@ -59,9 +67,10 @@ def make_prompts(task: str, tokenizer, num_prompts: int, seed: int) -> list[Prom
     if task == "repeat_letter":
         targets = repeat_targets(tokenizer)
         for i in range(num_prompts):
-            letter, token_id = targets[rng.randrange(len(targets))]
+            letter, token_id, starting = targets[rng.randrange(len(targets))]
             prompts.append(PromptRequest(f"{task}-{i}", chat_prompt_ids(tokenizer, f"Repeat the letter {letter}."),
-                                         {"target": letter, "target_token_id": token_id}))
+                                         {"target": letter, "target_token_id": token_id,
+                                          "target_token_ids": ",".join(map(str, starting))}))
     else:
         for i in range(num_prompts):
             a, b = rng.randint(0, 99), rng.randint(0, 99)

@@ -22,7 +22,8 @@ log = logging.getLogger("inflight.engine")
 
 class EngineActor:
     def __init__(self, engine_id: str, model_path: str, generation_json: str, max_model_len: int,
-                 reward_fn: str, reward_timeout_s: float, recompute_kv: bool, channel_timeout_s: float):
+                 reward_fn: str, reward_timeout_s: float, recompute_kv: bool, in_flight: bool,
+                 channel_timeout_s: float):
         from rollout.config import GenerationConfig
         from rollout.engine import RolloutEngine
         from rollout.rewards import get_reward_fn
@@ -31,6 +32,7 @@ class EngineActor:
         self.engine = RolloutEngine(model_path, GenerationConfig.model_validate_json(generation_json), max_model_len,
                                     reward_fn=get_reward_fn(reward_fn), engine_id=engine_id,
                                     recompute_kv_cache_after_weight_updates=recompute_kv,
+                                    in_flight_weight_updates=in_flight,
                                     reward_timeout_s=reward_timeout_s)
         self.channel_timeout_s = channel_timeout_s
         self._tasks: set[asyncio.Task] = set()

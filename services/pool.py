@@ -98,7 +98,7 @@ class RolloutPool:
             self.engines[eid] = actor_cls.remote(
                 eid, self.model_path, gen.model_dump_json(), r.policy.max_total_sequence_length, r.env.reward_fn,
                 r.env.reward_timeout_s, r.grpo.async_grpo.recompute_kv_cache_after_weight_updates,
-                channel_timeout_s=gen.request_timeout_s)
+                r.grpo.async_grpo.in_flight_weight_updates, channel_timeout_s=gen.request_timeout_s)
         boot_timeout = 600.0
         results = await asyncio.gather(*[self._boot_one(e, boot_timeout) for e in self.engines.values()],
                                        return_exceptions=True)
@@ -122,6 +122,7 @@ class RolloutPool:
         await self._ready.wait()
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
+            await self._check_learner()
             for eid, eng in self.engines.items():
                 try:
                     h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
@@ -137,6 +138,19 @@ class RolloutPool:
                 except Exception as exc:  # noqa: BLE001 - recorded, retried next period
                     self.engine_state[eid].update(up=False, error=f"{type(exc).__name__}: {exc}"[:300])
                     self.metrics.engine_up.labels(engine=eid).set(0)
+
+    async def _check_learner(self) -> None:
+        """A learner whose channel is gone (its job ended or was killed) is detached."""
+        import ray
+
+        if self.channel is None:
+            return
+        try:
+            await asyncio.wait_for(self.channel.actor.size.remote(), HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            log.warning("pool %s: learner %s is gone; detaching it", self.name, (self.learner or {}).get("id"))
+            self.learner, self.channel = None, None
+            self.metrics.learner_attached.set(0)
 
     def _count(self, eid: str, stats: dict) -> None:
         """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted

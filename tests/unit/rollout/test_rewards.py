@@ -43,6 +43,14 @@ def test_repeat_letter_is_fraction_of_target_tokens():
     assert isinstance(got[3], RewardFailure) and "target_token_id" in got[3].reason
 
 
+def test_repeat_letter_counts_every_token_of_the_target_set():
+    task = {"target_token_id": 7, "target_token_ids": "7,9,11"}
+    got = repeat_letter([RewardInput("", [7, 9, 11, 3], task), RewardInput("", [3, 4], task),
+                         RewardInput("", [9], {"target_token_ids": "9,x"})])
+    assert got[:2] == [0.75, 0.0]
+    assert isinstance(got[2], RewardFailure) and "comma-separated" in got[2].reason
+
+
 def test_registry():
     assert get_reward_fn("math_exact") is math_exact
     with pytest.raises(ValueError, match=r"reward function: expected one of \['format', 'math_exact', "

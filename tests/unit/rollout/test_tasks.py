@@ -35,6 +35,9 @@ def test_repeat_letter_targets_are_single_tokens_and_perfect_answer_scores_one(t
         ids = tokenizer.encode(" " + answer, add_special_tokens=False)
         assert ids == [p.task["target_token_id"]] * 8
         assert repeat_letter([RewardInput(answer, ids, p.task)]) == [1.0]
+        starting = [int(x) for x in p.task["target_token_ids"].split(",")]
+        assert p.task["target_token_id"] in starting and len(starting) > 5
+        assert all(tokenizer.decode([i]).strip().lower().startswith(p.task["target"]) for i in starting)
 
 
 def test_arithmetic_answers_check_out(tokenizer):
