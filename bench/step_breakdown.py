@@ -1,0 +1,94 @@
+"""Sync vs async step-time breakdown on the same model, prompts, group size and lengths.
+
+    python bench/step_breakdown.py [--recipe PATH] [--steps N] [key=value ...]
+
+Deploys one rollout pool, then attaches two learner jobs one after the other:
+the synchronous baseline (generate -> train -> refit) and lag-1 async. Prints
+the seed's table (means over warm steps: step 1 dropped) and the overlap
+efficiency of async, ``max(generation, training) / async step``, where
+generation is the sync run's generation time and training the async run's
+policy training time (1.0 = generation completely hidden behind training or
+vice versa). Writes bench/results/step_breakdown_<device>.json.
+
+On CPU, quote the ratios, not the absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+KEYS = ["step_s", "policy_training_s", "generation_exposed_s", "refit_s", "other_s"]
+
+
+def warm_mean(rows: list[dict], key: str) -> float:
+    rows = rows[1:] if len(rows) > 1 else rows
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    from services import pool as pool_api
+    from services import ray_runtime
+    from services.app import deploy_pool, run_learner
+    from services.config import load_recipe
+
+    common = list(args.overrides) + [f"grpo.max_num_steps={args.steps}", "checkpointing.enabled=false",
+                                     "logger.tensorboard_enabled=false"]
+    recipes = {"sync": load_recipe(args.recipe, common + ["grpo.async_grpo.enabled=false"]),
+               "async": load_recipe(args.recipe, common + ["grpo.async_grpo.enabled=true",
+                                                           "policy.generation.colocated.enabled=false"])}
+    work = Path(tempfile.mkdtemp(prefix="step-breakdown-"))
+    ray_runtime.connect("local" if not os.environ.get("RAY_ADDRESS") else None)
+    results: dict[str, dict] = {}
+    try:
+        deploy_pool(recipes["async"], work)
+        for mode, recipe in recipes.items():
+            path = run_learner(recipe, recipe.rollout_pool.name, work / mode, resume=False)
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            results[mode] = {k: warm_mean(rows, k) for k in KEYS}
+            results[mode]["reward_mean"] = warm_mean(rows, "reward_mean")
+            results[mode]["trajectory_age_mean"] = warm_mean(rows, "trajectory_age_mean")
+    finally:
+        pool_api.shutdown(recipes["async"].rollout_pool.name)
+        ray_runtime.shutdown()
+
+    sync, asyn = results["sync"], results["async"]
+    generation = sync["generation_exposed_s"]
+    training = asyn["policy_training_s"]
+    overlap = max(generation, training) / asyn["step_s"]
+    speedup = sync["step_s"] / asyn["step_s"]
+    print(f"\n{'mode':6} | " + " | ".join(f"{k:>20}" for k in KEYS))
+    for mode in ("sync", "async"):
+        print(f"{mode:6} | " + " | ".join(f"{results[mode][k]:20.3f}" for k in KEYS))
+    print(f"\nasync speed-up over sync: {speedup:.2f}x; overlap efficiency max(gen, train)/async step = "
+          f"{overlap:.3f} (goal >= 0.95)")
+    device = "cpu"
+    try:
+        import torch
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name(0).replace(" ", "_").lower()
+    except Exception:  # noqa: BLE001
+        pass
+    out = Path(__file__).resolve().parent / "results" / f"step_breakdown_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "host": platform.node(),
+                               "device": device, "results": results, "async_speedup": speedup,
+                               "overlap_efficiency": overlap}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
