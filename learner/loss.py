@@ -125,16 +125,18 @@ class LossStats:
             self.maxs[k] = max(self.maxs.get(k, float("-inf")), float(v.max()))
         self.tokens += n
 
-    def all_reduce(self, group) -> None:
-        """Combine the statistics of every rank of ``group`` (sums add, min/max reduce)."""
+    def all_reduce(self, group, device: torch.device | None = None) -> None:
+        """Combine the statistics of every rank of ``group`` (sums add, min/max reduce); the reduced tensors
+        live on ``device`` (the model's: a NCCL group reduces GPU tensors only)."""
         import torch.distributed as dist
 
         if dist.get_world_size(group) == 1:
             return
         keys = sorted(PART_KEYS)
-        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [self.tokens, self.loss], dtype=torch.float64)
-        mins = torch.tensor([self.mins.get(k, float("inf")) for k in keys], dtype=torch.float64)
-        maxs = torch.tensor([self.maxs.get(k, float("-inf")) for k in keys], dtype=torch.float64)
+        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [self.tokens, self.loss], dtype=torch.float64,
+                            device=device)
+        mins = torch.tensor([self.mins.get(k, float("inf")) for k in keys], dtype=torch.float64, device=device)
+        maxs = torch.tensor([self.maxs.get(k, float("-inf")) for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)

@@ -7,10 +7,12 @@ A step, as :meth:`Learner.train_step` runs it:
 2. pack prompt+response sequences first-fit-decreasing into micro-batches of
    at most ``train_mb_tokens`` (:mod:`learner.packing`); data-parallel rank d
    takes micro-batches d, d+DP, …;
-3. π_prev: a no-grad pass of the current weights over the micro-batches (and
-   π_ref through the frozen reference copy when the KL penalty is on);
+3. π_ref through the frozen reference copy when the KL penalty is on;
 4. forward/backward per micro-batch of Σ loss_t / N, N = the global number of
-   valid response tokens (all-reduced over data-parallel ranks);
+   valid response tokens (all-reduced over data-parallel ranks). π_prev is
+   that same forward, detached: the batch is one optimizer step, so every
+   forward of the step sees the weights the step started from (a separate
+   no-grad pass gives the same numbers and costs a third of the step);
 5. if the loss and every gradient are finite, one Megatron optimizer step
    (clip, AdamW, LR schedule) and ``policy_version += 1``; otherwise the step
    is skipped, weights and optimizer state untouched, ``step_skipped = 1``.
@@ -164,10 +166,9 @@ class Learner:
         prompt_lens = [s.prompt_len for s in batch.samples]
 
         self.model.train()
-        lp_prev = self._logprobs_by_index(self.model, mine, prompt_lens)
         lp_ref = self._logprobs_by_index(self.reference, mine, prompt_lens) if self.reference is not None else None
-        local_tokens = sum(lp.numel() for lp in lp_prev.values())
-        n_global = torch.tensor([local_tokens], dtype=torch.float64)
+        local_tokens = sum(sl.stop - sl.start for mb in mine for sl in response_slices(mb, prompt_lens))
+        n_global = torch.tensor([local_tokens], dtype=torch.float64, device=self._device())  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
         n_global_f = float(n_global.item())
 
@@ -175,15 +176,18 @@ class Learner:
         self.optim.zero_grad()
         stats = LossStats()
         for mb in mine:
-            x = self._token_inputs(mb, batch.samples, lp_prev, lp_ref)
             lp = token_logprobs(self.model, mb)
             lp_resp = torch.cat([lp[s] for s in response_slices(mb, prompt_lens)])
+            # pi_prev: the whole batch is one optimizer step, so every forward of this step runs on the
+            # weights the step started from -- pi_prev is this forward, detached (a separate no-grad pass
+            # gives the same numbers and costs a third of the step; measured in bench/learner_step.py).
+            x = self._token_inputs(mb, batch.samples, lp_resp.detach(), lp_ref)
             loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
             mb_loss = loss_t.sum() / n_global_f
             mb_loss.backward()
             stats.add(parts, float(mb_loss.detach()))
         self.model.finish_grad_sync()
-        stats.all_reduce(dp_group)
+        stats.all_reduce(dp_group, self._device())
 
         nonfinite_loss = not np.isfinite(stats.loss)
         nonfinite_grad = self._any_nonfinite_grad()
@@ -232,13 +236,13 @@ class Learner:
                     out[seg.index] = lp[sl]
         return out
 
-    def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: dict[int, torch.Tensor],
+    def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                       lp_ref: dict[int, torch.Tensor] | None) -> TokenInputs:
         dev = self._device()
         idx = [seg.index for seg in mb.segments]
         lp_gen = torch.cat([torch.from_numpy(samples[i].lp_gen) for i in idx]).to(dev)
         adv = torch.cat([torch.full((samples[i].lp_gen.size,), samples[i].advantage) for i in idx]).to(dev)
-        return TokenInputs(lp_prev=torch.cat([lp_prev[i] for i in idx]), lp_gen=lp_gen, advantages=adv,
+        return TokenInputs(lp_prev=lp_prev, lp_gen=lp_gen, advantages=adv,
                            lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None)
 
     def _any_nonfinite_grad(self) -> bool:
