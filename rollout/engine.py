@@ -16,14 +16,16 @@ or that the reward function cannot score (exception, timeout, bad value) --
 is returned with ``finish_reason="error"``, ``reward=None`` and the reason,
 never with reward 0.
 
-**Versions.** The engine core stamps every step's output with a weight-version
-label (``AsyncLLM.update_weight_version``), and a finished request reports
-contiguous ``weight_versions`` spans over its output tokens. The label is only
-changed while generation is paused, so the spans are exact: tokens sampled
-before an in-flight update carry v, tokens after carry v+1, without any
-timing assumption on our side. Streaming is therefore not needed for version
-bookkeeping, and requests use ``output_kind=FINAL_ONLY`` (no per-token
-output processing).
+**Versions.** Where vLLM labels outputs (0.32: ``AsyncLLM.update_weight_version``),
+the engine core stamps every step's output with a weight-version label, and a
+finished request reports contiguous ``weight_versions`` spans over its output
+tokens. The label is only changed while generation is paused, so the spans are
+exact: tokens sampled before an in-flight update carry v, tokens after carry
+v+1, without any timing assumption on our side; requests then use
+``output_kind=FINAL_ONLY`` (no per-token output processing). Older vLLM (the
+0.25.1 of the GPU hosts) has no labels: requests are streamed (``DELTA``) and
+an update marks each running sample's token count while generation is paused
+(:mod:`rollout.streamed`, which also states the limits of that method).
 
 **In-flight update** (:meth:`RolloutEngine.apply_weights`), under a lock:
 verify the push (completeness, checksums, every parameter with its shape and
@@ -63,6 +65,7 @@ from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, W
 from rollout.config import GenerationConfig
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
+from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
 from rollout.weight_receiver import ExpectedParams, WeightUpdateError, remove_staged, stage_push, verify_push
 
 logger = logging.getLogger(__name__)
@@ -110,6 +113,8 @@ class EngineStats:
     pause_seconds_last: float = 0.0
     refit_bytes_total: int = 0
     prefix_cache_reset_deferred: int = 0
+    version_drain_incomplete: int = 0
+    """Updates where the front end had not delivered every pre-pause output in time (streamed labels)."""
     sleeps_skipped_on_cpu: int = 0
     last_error: str = ""
 
@@ -158,6 +163,11 @@ class RolloutEngine:
         self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
         self._weights_broken = ""
         self._stats = EngineStats()
+        self._engine_labels = False
+        self.stream_version_labels = True
+        """Label tokens by streaming (:mod:`rollout.streamed`) rather than by the engine's labels. Set at
+        :meth:`start` (True when the installed vLLM has no labels); read at every request."""
+        self._tracker = VersionTracker()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -169,9 +179,11 @@ class RolloutEngine:
         from vllm.outputs import CompletionOutput
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if "weight_versions" not in CompletionOutput.__dataclass_fields__:
-            raise EngineError("rollout engine: the installed vLLM does not report per-token weight versions "
-                              "(CompletionOutput.weight_versions); in-flight updates need vLLM >= 0.32")
+        self._engine_labels = ("weight_versions" in CompletionOutput.__dataclass_fields__
+                               and hasattr(AsyncLLM, "update_weight_version"))
+        self.stream_version_labels = not self._engine_labels
+        logger.info("rollout engine %s: per-token weight versions from %s", self.engine_id,
+                    "the engine's labels" if self._engine_labels else "streamed outputs (no engine labels)")
         self._options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len)
         for line in self._options.describe():
             logger.info("rollout engine %s: %s", self.engine_id, line)
@@ -190,8 +202,9 @@ class RolloutEngine:
         self._llm = build.result()
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
-        await self._bounded(self._llm.update_weight_version(str(self._version)),
-                            "setting the initial weight version")
+        if self._engine_labels:
+            await self._bounded(self._llm.update_weight_version(str(self._version)),
+                                "setting the initial weight version")
 
     async def shutdown(self) -> None:
         """Shut the engine core and its workers down (frees their /dev/shm segments)."""
@@ -265,26 +278,39 @@ class RolloutEngine:
         return self._llm
 
     # ------------------------------------------------------------------ generation
-    def _sampling_params(self, seed: int, max_tokens: int | None = None, **extra):
+    def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False, **extra):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         g = self.generation
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
-                              seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, **extra)
+                              seed=seed, output_kind=kind, **extra)
+
+    def _new_request_id(self) -> str:
+        return f"{self.engine_id}-{next(self._request_ids)}"
 
     def _prompt(self, token_ids: list[int]) -> dict:
         return {"prompt_token_ids": token_ids, "cache_salt": f"inflight-weights-v{self._version}"}
 
-    async def _run_request(self, token_ids: list[int], params, timeout_s: float):
-        """Run one request to completion within ``timeout_s``; abort it in the engine otherwise."""
+    async def _run_request(self, token_ids: list[int], params, timeout_s: float,
+                           streamed: StreamedSample | None = None, request_id: str | None = None):
+        """Run one request to completion within ``timeout_s``; abort it in the engine otherwise.
+
+        With ``streamed`` (a DELTA request opened in the tracker as ``request_id``) every output is
+        appended to it; the request leaves the tracker when it ends, whatever the outcome."""
         llm = self._require_started()
-        request_id = f"{self.engine_id}-{next(self._request_ids)}"
+        request_id = request_id or self._new_request_id()
         final = None
         self._stats.requests_running += 1
         try:
             async with asyncio.timeout(timeout_s):
                 async for out in llm.generate(self._prompt(token_ids), params, request_id):
+                    if streamed is not None:
+                        try:
+                            streamed.add(out.outputs[0])
+                        except ValueError as exc:  # a streamed output without its log-probs
+                            raise SampleFailed(str(exc)) from exc
                     final = out
         except TimeoutError:
             self._stats.aborts += 1
@@ -292,15 +318,21 @@ class RolloutEngine:
             raise SampleFailed(f"timeout after {timeout_s:g}s (request aborted)") from None
         finally:
             self._stats.requests_running -= 1
+            if streamed is not None:
+                self._tracker.close(request_id)
         if final is None or not final.finished:
             raise SampleFailed("the engine ended the request without a final output")
         return final
 
     async def _sample_once(self, request: PromptRequest, index: int, attempt: int) -> _Sample:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
-        params = self._sampling_params(seed, logprobs=0)
+        stream = self.stream_version_labels
+        params = self._sampling_params(seed, stream=stream, logprobs=0)
+        request_id = self._new_request_id()
+        streamed = self._tracker.open(request_id, self._version) if stream else None
         try:
-            out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s)
+            out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
+                                          streamed, request_id)
         except SampleFailed:
             raise
         except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
@@ -310,6 +342,9 @@ class RolloutEngine:
         c = out.outputs[0]
         if c.finish_reason not in ("stop", "length"):
             raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
+        if streamed is not None:
+            return _Sample(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
+                           "".join(streamed.text))
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise SampleFailed(f"engine returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
@@ -435,17 +470,20 @@ class RolloutEngine:
     async def _swap(self, llm, staged, version: int) -> None:
         """Pause (``pause_mode``), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
         paused_at = time.perf_counter()
-        await self._bounded(llm.pause_generation(mode="keep",
+        await self._bounded(llm.pause_generation(mode=self.pause_mode,
                                                   clear_cache=self.recompute_kv_cache_after_weight_updates),
                             "pause_generation before a weight update")
         try:
+            if self.stream_version_labels and not await drain_frontend(llm):
+                self._stats.version_drain_incomplete += 1
             try:
                 await self._bounded(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)}),
                                     f"reload_weights of v{version}")
                 if not await self._bounded(llm.reset_prefix_cache(), "reset_prefix_cache"):
                     # Blocks of running requests are still in use; new requests are salted by version instead.
                     self._stats.prefix_cache_reset_deferred += 1
-                await self._bounded(llm.update_weight_version(str(version)), "update_weight_version")
+                if self._engine_labels:
+                    await self._bounded(llm.update_weight_version(str(version)), "update_weight_version")
             except Exception as exc:
                 # The workers may hold a mix of old and new weights: refuse to sample until a push succeeds.
                 self._weights_broken = f"installing v{version} failed: {type(exc).__name__}: {exc}"
@@ -453,6 +491,7 @@ class RolloutEngine:
                 self._stats.last_error = self._weights_broken
                 raise WeightUpdateError(f"rollout engine {self.engine_id}: {self._weights_broken}") from exc
             self._version = version
+            self._tracker.relabel_all(version)  # still paused: the running samples' counts are final for v-1
             self._weights_broken = ""
         finally:
             await self._bounded(llm.resume_generation(), "resume_generation after a weight update")

@@ -107,13 +107,16 @@ def test_push_changes_outputs_and_restoring_with_reset_is_bit_identical(harness,
           f"{stats['refit_bytes_total'] // stats['refits']} bytes per push")
 
 
-@pytest.mark.parametrize("recompute_kv", [False, True])
-def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2, recompute_kv):
+@pytest.mark.parametrize("recompute_kv,streamed", [(False, False), (True, False), (False, True)])
+def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2, recompute_kv,
+                                                        streamed):
     """Tokens sampled before the pause carry v and match the old weights; the rest carry v+1.
 
     With the KV cache recomputed after the update, the v+1 tokens match a full
-    forward of the new weights; with the old KV kept, they differ from the old weights."""
+    forward of the new weights; with the old KV kept, they differ from the old weights.
+    ``streamed``: labels from streamed outputs (the path for a vLLM without engine labels)."""
     engine = harness.engine
+    engine_labels = engine.stream_version_labels
     reqs = prompts(harness, 3, seed=11)
     old_max = engine.generation.max_new_tokens
     v = engine.version
@@ -129,11 +132,13 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
 
     engine.generation.max_new_tokens = 400
     engine.recompute_kv_cache_after_weight_updates = recompute_kv
+    engine.stream_version_labels = streamed or engine_labels
     try:
         groups = harness.run(scenario())
     finally:
         engine.generation.max_new_tokens = old_max
         engine.recompute_kv_cache_after_weight_updates = False
+        engine.stream_version_labels = engine_labels
         push_model(harness, tiny_model_dir)
     split = 0
     for request, group in zip(reqs, groups):
