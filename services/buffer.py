@@ -10,8 +10,10 @@ refused, dropped and counted — never silently used — when
 - it has **fewer than two valid samples** (failed samples carry no reward, so
   no advantage can be formed).
 
-Groups for later steps wait in the buffer. The raw protocol bytes are kept
-beside each group so the learner actors can decode them without re-encoding.
+Groups for later steps wait in the buffer. A second group for a prompt that
+is already buffered (a re-queued prompt whose first group did arrive) is
+refused by ``add``. The raw protocol bytes are kept beside each group so the
+learner actors can decode them without re-encoding.
 """
 from __future__ import annotations
 
@@ -33,8 +35,15 @@ class TrajectoryBuffer:
     by_step: dict[int, list[BufferedGroup]] = field(default_factory=lambda: defaultdict(list))
     drops: Counter = field(default_factory=Counter)
 
-    def add(self, group: TrajectoryGroup, data: bytes) -> None:
+    def add(self, group: TrajectoryGroup, data: bytes) -> bool:
+        """Buffer ``group``; False (nothing buffered) if a group of its prompt is already here."""
+        if self.holds(group.prompt_id):
+            return False
         self.by_step[group.scheduled_step].append(BufferedGroup(group, data))
+        return True
+
+    def holds(self, prompt_id: str) -> bool:
+        return any(bg.group.prompt_id == prompt_id for groups in self.by_step.values() for bg in groups)
 
     def ready(self, step: int) -> int:
         return len(self.by_step.get(step, ()))

@@ -1,9 +1,12 @@
 """A Ray actor hosting one :class:`rollout.engine.RolloutEngine`.
 
 The pool creates ``num_engines`` of these (named, detached, restarted by Ray
-if their process dies). ``submit`` starts generation of a batch of prompts
-and returns at once; each finished group is encoded with the protocol codec
-and sent into the learner's trajectory channel as soon as it completes. A
+if their process dies). ``generate`` runs a batch of prompts: each finished
+group is encoded with the protocol codec and sent into the learner's
+trajectory channel as soon as it completes, and the call itself returns only
+when every prompt of the batch has been delivered. The pool keeps the call's
+reference as the batch's completion signal: if this actor's process dies the
+reference fails with ``RayActorError`` and the pool re-queues the batch. A
 prompt whose generation fails entirely is reported on the same channel as a
 ``ControlMessage(action="error")`` naming the prompt, so the learner can
 account for it (invariant 3: trained once, or dropped with a reason).
@@ -50,12 +53,14 @@ class EngineActor:
         return {"engine_id": self.engine_id, "ok": self._started, "version": self.engine.version,
                 "running_batches": len(self._tasks), "pid": self.pid}
 
-    async def submit(self, prompt_bytes: list[bytes], group_size: int, channel) -> int:
-        """Start generating one group per prompt; groups stream into ``channel``."""
+    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> int:
+        """Generate one group per prompt, streaming each into ``channel``; returns the number of prompts
+        once all of them have been delivered (as a group or an error report)."""
         requests = [decode(b, expect=PromptRequest) for b in prompt_bytes]
         task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        await task
         return len(requests)
 
     async def _run(self, requests: list[PromptRequest], group_size: int, channel) -> None:

@@ -7,7 +7,9 @@ like the algorithm; this class holds the machinery behind each line:
   in the :class:`PromptLedger`, submit them to the pool;
 - ``collect(step)``   read the trajectory channel until ``num_prompts_per_step``
   good groups for ``step`` are buffered (stale / failed ones are dropped,
-  counted, and replaced by fresh prompts), bounded by a deadline;
+  counted, and replaced by fresh prompts; a second group for a prompt that
+  is buffered or finished — the pool re-queues a dead engine's prompts — is
+  counted as ``duplicate`` and ignored), bounded by a deadline;
 - ``train(groups)``   one optimizer step on the learner ranks;
 - ``push_weights()``  export buckets from the learner and install them on every
   engine (in flight: the engines keep generating);
@@ -262,25 +264,28 @@ class LearnerJob:
         try:
             msg = decode(data)
         except ProtocolError as err:
-            self.rejected["malformed"] = self.rejected.get("malformed", 0) + 1
+            self._reject("malformed")
             log.warning("rejected a message from the pool: %s", err)
             return
         if isinstance(msg, TrajectoryGroup):
-            if not self.ledger.is_open(msg.prompt_id):
-                self.rejected["unexpected_group"] = self.rejected.get("unexpected_group", 0) + 1
-                return
-            self.buffer.add(msg, data)
+            if msg.prompt_id not in self.ledger.scheduled:
+                self._reject("unexpected_group")
+            elif not self.ledger.is_open(msg.prompt_id) or not self.buffer.add(msg, data):
+                self._reject("duplicate")  # a re-queued prompt whose first group arrived too
         elif isinstance(msg, ControlMessage) and msg.action == "error":
             pid = str(msg.payload.get("prompt_id", ""))
-            if self.ledger.is_open(pid):
+            if self.ledger.is_open(pid) and not self.buffer.holds(pid):
                 self._drop(pid, "generation_failed", replace_for=int(msg.payload.get("scheduled_step", self.step + 1)))
         else:
-            self.rejected["unexpected_kind"] = self.rejected.get("unexpected_kind", 0) + 1
+            self._reject("unexpected_kind")
+
+    def _reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def _drop(self, prompt_id: str, reason: str, replace_for: int) -> None:
         self.ledger.mark_dropped(prompt_id, reason)
         self.open_requests.pop(prompt_id, None)
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self._reject(reason)
         self.schedule(replace_for, n=1)
 
     def _buffered_ids(self) -> set[str]:
