@@ -6,9 +6,9 @@ tokenizer's chat template (one user turn, generation prompt appended) and
 whose ``task`` dict carries what the matching reward function needs. The same
 seed always gives the same prompts, and ``prompt_id`` is ``f"{task}-{i}"``.
 
-- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter a." The
+- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter i." The
   targets are the two letters that begin the most vocabulary tokens (and whose
-  space-prefixed form `` a`` is one token, so a perfect answer `` a a a ...``
+  space-prefixed form `` i`` is one token, so a perfect answer `` i i i ...``
   exists). Every token whose text starts with the letter earns credit
   (``task["target_token_ids"]``, comma-separated): about 5 % of a tiny
   model's vocabulary, so almost every group of random answers already has
