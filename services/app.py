@@ -57,8 +57,11 @@ def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> P
         print("\nStep-time breakdown (means over warm steps):\n" + job.log.timing_table(mode))
         print("\nFunctional validation:\n" + job.log.validation_table(mode))
         print(f"\nledger: {job.ledger.summary()}")
-        png = job.log.plot_rewards()
-        print(f"metrics: {job.log.path}\nreward curve: {png}")
+        print(f"metrics: {job.log.path}")
+        try:
+            print(f"reward curve: {job.log.plot_rewards()}")
+        except ImportError as exc:  # matplotlib is optional on GPU hosts
+            print(f"reward curve: skipped ({exc})")
         return job.log.path
     finally:
         job.close()

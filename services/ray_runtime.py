@@ -12,7 +12,9 @@ import os
 import tempfile
 
 NAMESPACE = "inflight"
-OBJECT_STORE_BYTES = 512 * 1024 * 1024
+OBJECT_STORE_BYTES = int(os.environ.get("INFLIGHT_OBJECT_STORE_MB", "512")) * 1024 * 1024
+"""Object store of a private local cluster (``INFLIGHT_OBJECT_STORE_MB``; weight pushes of GB-size
+models through the store need more than the CPU default)."""
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None) -> str:
