@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -62,6 +63,26 @@ class _Batch:
     prompts: list[bytes]  # encoded PromptRequests
     group_size: int
     channel: object  # the TrajectoryChannel of the learner that submitted them
+
+
+# Module-level names the replica uses are defined above the deployment class (measured: a helper defined
+# below it raised NameError inside the replica).
+def _refit_failure_reason(errors: list[BaseException]) -> str:
+    """``timeout`` (a bucket or an engine did not answer in time), ``rejected`` (the push failed
+    verification: missing bucket, bad checksum, shape, version) or ``failed`` (anything else)."""
+    errors = [_cause(e) for e in errors]
+    text = " ".join(f"{type(e).__name__}: {e}" for e in errors)
+    if any(isinstance(e, (asyncio.TimeoutError, TimeoutError)) for e in errors):
+        return "timeout"
+    if "ProtocolError" in text or "WeightUpdateError" in text:
+        return "rejected"
+    return "failed"
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The engine's own exception inside a ``RayTaskError`` (whose text is mostly a traceback)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
@@ -332,7 +353,7 @@ class RolloutPool:
         """Count a rejected or failed push (``inflight_refit_failures{reason}``) and describe it."""
         reason = _refit_failure_reason(list(failed.values()))
         self.metrics.refit_failures.labels(reason=reason).inc()
-        detail = {where: f"{type(e).__name__}: {e}"[:300] for where, e in failed.items()}
+        detail = {where: f"{type(_cause(e)).__name__}: {_cause(e)}"[:300] for where, e in failed.items()}
         self._errors.append(f"refit v{version} {reason}: {detail}"[:300])
         return RefitError(f"pool {self.name!r}: weight push v{version} {reason}; the old version "
                           f"v{self.version} keeps serving: {detail}")
@@ -370,7 +391,7 @@ class RolloutPool:
 
     async def status(self) -> dict:
         self._ensure_started()
-        return {"name": self.name, "version": self.version, "ready": self._is_ready(),
+        return {"name": self.name, "version": self.version, "ready": self._is_ready(), "pid": os.getpid(),
                 "learner": self.learner, "paused": self.paused, "draining": self.draining,
                 "engines": self.engine_state, "uptime_s": time.time() - self._started_at,
                 "requeued_prompts": self.requeued_prompts,
@@ -445,17 +466,6 @@ class RolloutPool:
         self._authorize(authorization)
         self.draining = True
         return {"draining": True}
-
-
-def _refit_failure_reason(errors: list[BaseException]) -> str:
-    """``timeout`` (a bucket or an engine did not answer in time), ``rejected`` (the push failed
-    verification: missing bucket, bad checksum, shape, version) or ``failed`` (anything else)."""
-    text = " ".join(f"{type(e).__name__}: {e}" for e in errors)
-    if any(isinstance(e, (asyncio.TimeoutError, TimeoutError)) for e in errors):
-        return "timeout"
-    if "ProtocolError" in text or "WeightUpdateError" in text:
-        return "rejected"
-    return "failed"
 
 
 # ---------------------------------------------------------------- deploy / connect
