@@ -48,11 +48,13 @@ def map_level(cases: int, rng: np.random.Generator) -> dict[str, int]:
     counts = {"rejected": 0, "valid": 0, "mutator_failed": 0}
     for k in range(cases):
         try:
-            mutant = _mutate_map(copy.deepcopy(bases[k % len(bases)]), rng)
-        except IndexError:  # the CI mutator's _mutate_array indexes past a short array: no frame to test
+            frame = pack_frame(_mutate_map(copy.deepcopy(bases[k % len(bases)]), rng))
+        except (IndexError, TypeError):
+            # The CI mutators index 2-D arrays as flat ones and can leave numpy scalars that the framer
+            # refuses: then there is no frame to feed the decoder.
             counts["mutator_failed"] += 1
             continue
-        counts[_outcome(pack_frame(mutant))] += 1
+        counts[_outcome(frame)] += 1
     return counts
 
 

@@ -28,7 +28,8 @@ Faults (docs/reliability.md):
   healthy wait the same way). Groups the dead engine had already delivered
   come again; the learner drops those as duplicates.
 - **Weight pushes** go to the engines that are up; an engine that is down
-  gets the latest version from the watcher before it serves again. A push
+  gets the latest version from the watcher before it serves again (if none is
+  up, the push waits for one, bounded by its timeout). A push
   that fails on an engine that is up is rejected as a whole (the pool's
   version does not advance) and counted in ``inflight_refit_failures``.
 """
@@ -143,8 +144,7 @@ class RolloutPool:
             actor_cls = ray.remote(EngineActor).options(
                 name=eid, namespace="inflight", lifetime="detached", get_if_exists=True, max_restarts=-1,
                 max_concurrency=1000, num_cpus=0, num_gpus=gpus,
-                runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu),
-                                          "VLLM_CPU_KVCACHE_SPACE": str(gen.vllm_cfg.cpu_kvcache_space_gib)}})
+                runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}})
             self.engines[eid] = actor_cls.remote(
                 eid, self.model_path, gen.model_dump_json(), r.policy.max_total_sequence_length, r.env.reward_fn,
                 r.env.reward_timeout_s, r.grpo.async_grpo.recompute_kv_cache_after_weight_updates,
@@ -318,8 +318,9 @@ class RolloutPool:
         from protocol import WeightManifest, decode
 
         timeout_s = timeout_s or self.recipe.policy.generation.request_timeout_s
+        t0 = time.perf_counter()
+        await self._some_engine_up(timeout_s)
         async with self._refit_lock:
-            t0 = time.perf_counter()
             try:
                 manifest = decode(manifest_bytes, expect=WeightManifest)
                 # The pool keeps its own copy of the buckets for engines that restart later.
@@ -348,6 +349,15 @@ class RolloutPool:
             self.metrics.refit_bytes.inc(manifest.total_bytes * len(installed))
             return {"version": self.version, "seconds": seconds, "bytes": manifest.total_bytes,
                     "engines": len(installed)}
+
+    async def _some_engine_up(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` until an engine is up (the only one may be restarting: the watcher
+        needs the refit lock to bring it back, so this waits outside it)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(self.engine_state.get(e, {}).get("up", True) for e in self.engines):
+            if time.monotonic() > deadline:
+                return  # the push then fails with "no engine is up"
+            await asyncio.sleep(1.0)
 
     def _refit_failed(self, version, failed: dict[str, BaseException]) -> RefitError:
         """Count a rejected or failed push (``inflight_refit_failures{reason}``) and describe it."""

@@ -200,7 +200,7 @@ def test_hostile_http_requests_get_client_errors_never_a_crash(pool):
     paths = ["/healthz", "/readyz", "/metrics", "/v1/status", "/v1/admin/pause", "/v1/admin/resume",
              "/v1/admin/drain", "/", "/v1/admin/", "/v1/../v1/status", "/%00", "/v1/admin/pause?x=" + "y" * 4000]
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-    auths = [None, "", "Bearer", "Bearer ", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer " + "x" * 10_000,
+    auths = [None, "", "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "bearer " + "x" * 10_000,
              "Bearer " + TOKEN[:-1], "Bearer \u00e9\u00e9", "Bearer " + TOKEN + " extra"]
     bodies = [b"", b"{", b"null", b"\xff\xfe" * 100, b"{}" * 1000, os.urandom(8 << 20)]
     statuses: dict[int, int] = {}
