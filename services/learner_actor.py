@@ -72,6 +72,7 @@ class LearnerGroup:
     def __init__(self, recipe, model_path: str, call_timeout_s: float = 1800.0):
         import ray
 
+        from services.placement import check_learner_fits, learner_gpus_per_rank
         from services.pool import _free_port
 
         self.timeout = call_timeout_s
@@ -81,7 +82,8 @@ class LearnerGroup:
                       loss=recipe.loss_fn.model_dump_json(), packing=p.sequence_packing.model_dump_json(),
                       max_total_sequence_length=p.max_total_sequence_length,
                       normalize_rewards=recipe.grpo.normalize_rewards, seed=recipe.grpo.seed)
-        gpus = 1 if recipe.cluster.gpus_per_node else 0
+        gpus = learner_gpus_per_rank(recipe)
+        check_learner_fits(recipe, ray.cluster_resources().get("GPU", 0))
         addr = ray.util.get_node_ip_address()
         port = _free_port()
         cls = ray.remote(LearnerActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0)
