@@ -116,3 +116,12 @@ def test_configuration_reference_is_up_to_date():
     from services.config_docs import render
     doc = (RECIPES_DIR.parent / "docs" / "configuration.md").read_text()
     assert doc == render(), "docs/configuration.md is stale: run `python -m services.config_docs > docs/configuration.md`"
+
+
+def test_one_host_scale_downs_of_the_seed():
+    a = load_recipe(RECIPES_DIR / "grpo-8gpu-async-4x4.yaml")
+    assert a.learner_gpus == 4 and a.rollout_pool.num_engines * a.policy.generation.vllm_cfg.tensor_parallel_size == 4
+    assert a.policy.megatron_cfg.expert_model_parallel_size == 4 and a.grpo.num_generations_per_prompt == 16
+    s = load_recipe(RECIPES_DIR / "grpo-8gpu-sync-colocated.yaml")
+    assert s.learner_gpus == 8 and s.policy.generation.colocated.enabled and not s.grpo.async_grpo.enabled
+    assert load_recipe(RECIPES_DIR / "grpo-4gpu-async-2x2.yaml").learner_gpus == 2
