@@ -134,10 +134,11 @@ class RolloutPool:
         import ray
 
         from services.engine_actor import EngineActor
+        from services.placement import engine_gpus
 
         r = self.recipe
         gen = r.policy.generation
-        gpus = (r.rollout_pool.gpus_per_engine or gen.vllm_cfg.tensor_parallel_size) if r.cluster.gpus_per_node else 0
+        gpus = engine_gpus(r)
         ncpu = max(1, int(ray.cluster_resources().get("CPU", 1)))
         for i in range(r.rollout_pool.num_engines):
             eid = f"{self.name}-engine-{i}"
