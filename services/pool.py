@@ -247,6 +247,8 @@ class RolloutPool:
             self.requeued_prompts += len(batch.prompts)
             self._waiting.append(batch)
             self._send_waiting()
+        except ray.exceptions.TaskCancelledError:  # shutdown_engines cancels running batches
+            log.info("pool %s: batch of %d prompts on engine %s cancelled", self.name, len(batch.prompts), eid)
         except Exception:  # noqa: BLE001 - the engine reports per-prompt failures itself; this is a bug
             log.exception("pool %s: batch of %d prompts on engine %s failed", self.name, len(batch.prompts), eid)
 
