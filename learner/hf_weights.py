@@ -203,6 +203,11 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that never aliases the parameter (``.cpu()`` of a CPU tensor is the tensor itself)."""
+    return t.to("cpu", copy=True)
+
+
 def _split_qkv(arch: HFArchitecture, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g, d = arch.num_key_value_heads, arch.head_dim
     rest = fused.shape[1:]
@@ -263,7 +268,8 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
     """Gather ``model`` into HF tensors named, typed and shaped as ``metas`` (in that order).
 
     Collective: every rank of the TP and EP groups must call it. Global rank 0
-    gets the CPU state dict; the other ranks get None."""
+    gets the CPU state dict (copies: later training does not change it); the
+    other ranks get None."""
     from megatron.core import parallel_state as ps
 
     lay = ParallelLayout.current()
@@ -278,12 +284,12 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
             for ep_rank, whole in enumerate(_all_gather(param.detach(), ep_group)):
                 expert = ep_rank * per_rank + int(local_expert.group(1))
                 if is_root:
-                    out.update(hf_tensors_from_shards(name, arch, [whole.cpu()], expert))
+                    out.update(hf_tensors_from_shards(name, arch, [_host_copy(whole)], expert))
             continue
         split = getattr(param, "tensor_model_parallel", False) and lay.tp_size > 1
         shards = _all_gather(param.detach(), tp_group) if split else [param.detach()]
         if is_root:
-            out.update(hf_tensors_from_shards(name, arch, [s.cpu() for s in shards]))
+            out.update(hf_tensors_from_shards(name, arch, [_host_copy(s) for s in shards]))
     if not is_root:
         return None
     return _match_source(out, metas)
