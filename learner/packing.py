@@ -13,6 +13,17 @@ layer spec this gives the same log-probs as running each sequence alone
 
 The fill ratio (tokens / (micro-batches × budget)) says how much of the
 budget carries real tokens.
+
+:func:`deal` hands the micro-batches to data-parallel ranks round-robin
+(rank d trains d, d+DP, …). With expert parallelism every rank of an
+expert-parallel group must run the same number of MoE forwards/backwards with
+the same token count (Megatron's ``allgather`` token dispatcher gathers equal
+shapes), so ``equal_shapes`` pads: the list to a multiple of DP with
+all-padding micro-batches, and every micro-batch of a round (micro-batches
+kDP … kDP+DP−1) to the round's longest. Padding is a block of
+``PAD_TOKEN``\ s at the end of the row that attends only to itself and
+belongs to no segment, so it changes no response log-prob and adds nothing to
+the loss or the token count.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+PAD_TOKEN = 0
 
 @dataclass(frozen=True)
 class Segment:
@@ -120,3 +132,40 @@ def pack(sequences: list[np.ndarray], budget: int, enabled: bool = True) -> tupl
         bins = [[i] for i in range(len(lengths))]
         capacity = len(bins) * max(lengths)
     return [build_micro_batch(sequences, b) for b in bins], sum(lengths) / capacity
+
+
+def pad_micro_batch(mb: MicroBatch | None, width: int) -> MicroBatch:
+    """``mb`` (``None``: no sequences) followed by a block of pad tokens up to ``width`` tokens.
+
+    The pad block is a sequence of its own in the block-diagonal mask and in no segment."""
+    real = mb.num_tokens if mb is not None else 0
+    pad = width - real
+    if pad < 0:
+        raise ValueError(f"cannot pad a micro-batch of {real} tokens to {width}")
+    if mb is not None and pad == 0:
+        return mb
+    segments = mb.segments if mb is not None else []
+    fill = torch.full((1, pad), PAD_TOKEN, dtype=torch.int64)
+    empty = torch.zeros(1, 0, dtype=torch.int64)
+    tokens, positions, targets = (mb.tokens, mb.position_ids, mb.targets) if mb is not None else (empty,) * 3
+    return MicroBatch(torch.cat([tokens, fill], 1), torch.cat([positions, torch.arange(pad)[None]], 1),
+                      torch.cat([targets, fill], 1),
+                      block_diagonal_causal_mask([s.length for s in segments] + [pad]), segments)
+
+
+def deal(micro_batches: list[MicroBatch], rank: int, ranks: int,
+         equal_shapes: bool = False) -> tuple[list[MicroBatch], int]:
+    """Data-parallel rank ``rank``'s share of ``micro_batches`` (``rank``, ``rank + ranks``, …) and the
+    number of pad tokens added over all ranks.
+
+    With ``equal_shapes`` every rank gets the same number of micro-batches and, in each round, micro-batches
+    of the same token count (see the module docstring); without it nothing is padded."""
+    if not equal_shapes:
+        return micro_batches[rank::ranks], 0
+    mine, pad_tokens = [], 0
+    for start in range(0, len(micro_batches), ranks):
+        round_ = micro_batches[start:start + ranks]
+        width = max(mb.num_tokens for mb in round_)
+        pad_tokens += width * ranks - sum(mb.num_tokens for mb in round_)
+        mine.append(pad_micro_batch(round_[rank] if rank < len(round_) else None, width))
+    return mine, pad_tokens

@@ -6,7 +6,11 @@ A step, as :meth:`Learner.train_step` runs it:
    compute their group-relative advantages (:mod:`learner.loss`);
 2. pack prompt+response sequences first-fit-decreasing into micro-batches of
    at most ``train_mb_tokens`` (:mod:`learner.packing`); data-parallel rank d
-   takes micro-batches d, d+DP, …;
+   takes micro-batches d, d+DP, …; with expert parallelism (EP > 1) the share
+   is padded so that every rank runs as many micro-batches of the same token
+   counts as the others (:func:`learner.packing.deal`; an all-padding
+   micro-batch runs forward and backward for the MoE collectives and adds no
+   loss);
 3. π_ref through the frozen reference copy when the KL penalty is on;
 4. forward/backward per micro-batch of Σ loss_t / N, N = the global number of
    valid response tokens (all-reduced over data-parallel ranks). π_prev is
@@ -39,7 +43,7 @@ from learner.logprobs import response_logprobs_no_grad, response_slices, token_l
 from learner.loss import LossStats, TokenInputs, group_advantages, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.optimizer import build_optimizer, wrap_ddp
-from learner.packing import MicroBatch, pack
+from learner.packing import MicroBatch, deal, pack
 from protocol.messages import TrajectoryGroup, WeightBucket, WeightManifest
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,11 @@ class Learner:
         from megatron.core import parallel_state as ps
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
+    @staticmethod
+    def _ep() -> int:
+        from megatron.core import parallel_state as ps
+        return ps.get_expert_model_parallel_world_size()
+
     # ------------------------------------------------------------------ batch preparation
 
     def _collect(self, groups: list[TrajectoryGroup]) -> StepBatch:
@@ -162,7 +171,8 @@ class Learner:
         batch = self._collect(groups)
         dp_rank, dp_size, dp_group = self._dp()
         micro_batches, fill = self._pack([s.tokens for s in batch.samples]) if batch.samples else ([], 0.0)
-        mine = [mb.to(self._device()) for mb in micro_batches[dp_rank::dp_size]]
+        mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
+        mine = [mb.to(self._device()) for mb in mine]
         prompt_lens = [s.prompt_len for s in batch.samples]
 
         self.model.train()
@@ -177,6 +187,9 @@ class Learner:
         stats = LossStats()
         for mb in mine:
             lp = token_logprobs(self.model, mb)
+            if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
+                lp[:0].sum().backward()
+                continue
             lp_resp = torch.cat([lp[s] for s in response_slices(mb, prompt_lens)])
             # pi_prev: the whole batch is one optimizer step, so every forward of this step runs on the
             # weights the step started from -- pi_prev is this forward, detached (a separate no-grad pass
@@ -223,6 +236,7 @@ class Learner:
             "tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
             "fill_ratio": fill,
             "num_micro_batches": float(len(micro_batches)),
+            "pad_tokens": float(pad_tokens),
         })
         return metrics
 
