@@ -33,6 +33,8 @@ class PoolMetrics:
                                   registry=r)
         self.rejected = Counter("inflight_rejected_messages", "Messages rejected (bad input, stale, failed)",
                                 ["reason"], registry=r)
+        self.requeued_prompts = Counter("inflight_requeued_prompts", "Prompts re-sent after their engine died",
+                                        registry=r)
         self.engine_up = Gauge("inflight_engine_up", "1 if the engine answers its health check", ["engine"],
                                registry=r)
         self.learner_attached = Gauge("inflight_learner_attached", "1 while a learner job is attached", registry=r)

@@ -245,6 +245,7 @@ class RolloutPool:
                         self.name, eid, len(batch.prompts))
             self._mark_down(eid, exc)
             self.requeued_prompts += len(batch.prompts)
+            self.metrics.requeued_prompts.inc(len(batch.prompts))
             self._waiting.append(batch)
             self._send_waiting()
         except ray.exceptions.TaskCancelledError:  # shutdown_engines cancels running batches
