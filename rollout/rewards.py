@@ -143,11 +143,37 @@ REWARD_FNS: dict[str, RewardFn] = {
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The registered reward function called ``name``."""
-    try:
+    """A registered reward function by name, or a user's own: ``package.module:function`` (importable
+    where the engines run) or ``/path/to/file.py:function``. It must take ``list[RewardInput]`` and
+    return one float (or :class:`RewardFailure`) per sample, plain or ``async``."""
+    if name in REWARD_FNS:
         return REWARD_FNS[name]
-    except KeyError:
-        raise ValueError(f"reward function: expected one of {sorted(REWARD_FNS)}, got {name!r}") from None
+    if ":" not in name:
+        raise ValueError(f"reward function: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
+                         f"'file.py:function', got {name!r}")
+    where, _, attr = name.rpartition(":")
+    try:
+        module = _load_module(where)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported with the name
+        raise ValueError(f"reward function {name!r}: cannot import {where!r}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r}: {where!r} has no callable {attr!r}")
+    return fn
+
+
+def _load_module(where: str):
+    import importlib
+    import importlib.util
+
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"inflight_user_reward_{abs(hash(where))}", where)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no Python file at {where}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(where)
 
 
 def _check_results(results: object, n: int) -> list[RewardResult]:

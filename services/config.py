@@ -86,12 +86,23 @@ class EnvConfig(ConfigModel):
 
     task: Literal["repeat_letter", "arithmetic"] = "repeat_letter"
     """Prompt source: ``repeat_letter`` (toy task a tiny random model learns on CPU) or ``arithmetic``."""
-    reward_fn: Literal["repeat_letter", "math_exact", "format"] = "repeat_letter"
-    """Reward function from the rollout registry."""
+    reward_fn: str = Field("repeat_letter", min_length=1, max_length=512)
+    """Reward function: ``repeat_letter``, ``math_exact``, ``format``, or your own as
+    ``package.module:function`` / ``/path/to/file.py:function`` (importable where the engines run)."""
     num_prompts: int = Field(4096, ge=1)
     """Size of the prompt set (generated from ``grpo.seed``)."""
     reward_timeout_s: float = Field(30.0, gt=0.0)
     """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
+
+
+    @model_validator(mode="after")
+    def _reward_name(self):
+        from rollout.rewards import REWARD_FNS
+
+        if self.reward_fn not in REWARD_FNS and ":" not in self.reward_fn:
+            raise ValueError(f"reward_fn: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
+                             f"'file.py:function', got {self.reward_fn!r}")
+        return self
 
 
 class ClusterConfig(ConfigModel):

@@ -54,7 +54,7 @@ def test_repeat_letter_counts_every_token_of_the_target_set():
 def test_registry():
     assert get_reward_fn("math_exact") is math_exact
     with pytest.raises(ValueError, match=r"reward function: expected one of \['format', 'math_exact', "
-                                         r"'repeat_letter'\], got 'nope'"):
+                                         r"'repeat_letter'\] or 'module:function' / 'file.py:function', got 'nope'"):
         get_reward_fn("nope")
 
 
@@ -94,3 +94,16 @@ def test_score_group_times_out_sync_and_async():
     finally:
         pool.shutdown(wait=False)
     assert all(isinstance(r, RewardFailure) and "timed out after 0.2s" in r.reason for r in got)
+
+
+def test_user_reward_functions_by_module_or_file(tmp_path):
+    from rollout.rewards import get_reward_fn
+    assert get_reward_fn("rollout.rewards:math_exact") is math_exact
+    f = tmp_path / "mine.py"
+    f.write_text("def score(batch):\n    return [len(s.response_ids) / 10 for s in batch]\n")
+    fn = get_reward_fn(f"{f}:score")
+    assert fn([inp(ids=[1, 2, 3])]) == [0.3]
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        get_reward_fn(f"{f}:nope")
+    with pytest.raises(ValueError, match="cannot import 'no_such_module_x'"):
+        get_reward_fn("no_such_module_x:f")
