@@ -2,10 +2,11 @@
 
 Both sides see identical micro-batches: the bare loop runs forward + backward of the summed
 per-token log-probs and an optimizer step on the same DDP-wrapped model, without the GRPO
-bookkeeping (π_prev pass, advantages, metrics, finiteness checks). The ratio
-learner / bare says how much of the raw Megatron throughput `Learner.train_step` keeps;
-because the learner does an extra no-grad π_prev pass, a ratio near 0.75 is the cost of that
-pass rather than overhead.
+bookkeeping (sample collection, packing, advantages, loss, metrics, finiteness checks, the
+token-count and metric all-reduces). The ratio learner / bare says how much of the raw Megatron
+throughput `Learner.train_step` keeps. Learner and bare steps alternate (L, B, L, B, …) so that
+both see the same load on a shared machine; each side reports its median, and ``ratio_paired``
+is the median over pairs of bare / learner step time.
 
     python bench/learner_step.py [--arch qwen2] [--groups 8] [--group-size 8] [--steps 5]
 """
@@ -59,14 +60,6 @@ def main() -> None:
         trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses, lps)]
         groups.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, args.group_size, vocab))
 
-    learner.train_step(groups)  # warm-up
-    learner_s, fills, tokens = [], [], 0.0
-    for _ in range(args.steps):
-        m = learner.train_step(groups)
-        learner_s.append(m["policy_training_s"])
-        fills.append(m["fill_ratio"])
-        tokens = m["tokens_per_s"] * m["policy_training_s"]
-
     batch = learner._collect(groups)
     micro_batches, _ = learner._pack([s.tokens for s in batch.samples])
     micro_batches = [mb.to(learner._device()) for mb in micro_batches]
@@ -83,8 +76,15 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    learner.train_step(groups)  # warm-up
     bare_step()
-    bare_s = [bare_step() for _ in range(args.steps)]
+    learner_s, bare_s, fills, tokens = [], [], [], 0.0
+    for _ in range(args.steps):
+        m = learner.train_step(groups)
+        learner_s.append(m["policy_training_s"])
+        fills.append(m["fill_ratio"])
+        tokens = m["tokens_per_s"] * m["policy_training_s"]
+        bare_s.append(bare_step())
     learner_tps = tokens / float(np.median(learner_s))
     bare_tps = tokens / float(np.median(bare_s))
     result = {"arch": args.arch, "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -92,10 +92,11 @@ def main() -> None:
               "train_mb_tokens": args.mb_tokens, "fill_ratio": float(np.mean(fills)),
               "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
               "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
+              "ratio_paired": float(np.median(np.asarray(bare_s) / np.asarray(learner_s))),
               "steps": args.steps}
     print(f"{'metric':<24}{'value':>14}")
     for k in ("tokens_per_step", "micro_batches", "fill_ratio", "learner_step_s", "bare_step_s",
-              "learner_tokens_per_s", "bare_tokens_per_s", "ratio"):
+              "learner_tokens_per_s", "bare_tokens_per_s", "ratio", "ratio_paired"):
         v = result[k]
         print(f"{k:<24}{v:>14.3f}" if isinstance(v, float) else f"{k:<24}{v:>14}")
     out = Path(args.out)
