@@ -33,6 +33,7 @@ from protocol import ProtocolError, decode, encode
 from protocol.codec import MAGIC, pack_frame, unpack_frame
 
 from msg_strategies import assert_same_message, messages, random_message
+from wire_maps import wire_map
 
 MIN_REJECTED = 10_000
 
@@ -102,18 +103,6 @@ def test_random_byte_corruptions_raise_only_protocol_error():
 
 
 # ----------------------------------------------------------------------------- map level
-
-def _wire_map(msg) -> dict:
-    """The decoded map of a message, with arrays copied to writable arrays."""
-    def thaw(x):
-        if isinstance(x, np.ndarray):
-            return x.copy()
-        if isinstance(x, dict):
-            return {k: thaw(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [thaw(v) for v in x]
-        return x
-    return thaw(unpack_frame(encode(msg)))
 
 
 def _slots(obj, path=(), max_depth: int = 6):
@@ -193,7 +182,7 @@ def _mutate_map(m: dict, rng: np.random.Generator) -> dict:
 @pytest.mark.timeout(120)
 def test_random_map_corruptions_raise_only_protocol_error():
     rng = np.random.default_rng(7)
-    bases = [_wire_map(random_message(rng)) for _ in range(32)]
+    bases = [wire_map(random_message(rng)) for _ in range(32)]
     counts = {"rejected": 0, "valid": 0}
     for k in range(3_000):
         mutant = _mutate_map(copy.deepcopy(bases[k % len(bases)]), rng)
@@ -205,13 +194,13 @@ def test_random_map_corruptions_raise_only_protocol_error():
 @settings(max_examples=150, deadline=None)
 @given(messages(), st.data())
 def test_hypothesis_map_corruptions_raise_only_protocol_error(msg, data):
-    m = _wire_map(msg)
+    m = wire_map(msg)
     slots = list(_slots(m))
     container, key, _ = data.draw(st.sampled_from(slots))
     junk = data.draw(st.one_of(
         st.integers(0, len(JUNK) - 1).map(_junk), st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
         st.floats(), st.text(max_size=8), st.binary(max_size=8),
-        st.recursive(st.integers() | st.text(max_size=3),
+        st.recursive(st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=3),  # msgpack's int range
                      lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
                      max_leaves=10)))
     container[key] = junk
@@ -222,7 +211,7 @@ def test_hypothesis_map_corruptions_raise_only_protocol_error(msg, data):
 @given(messages(), st.sampled_from(["schema", "kind"]),
        st.one_of(st.integers(-5, 5), st.text(max_size=10), st.none(), st.floats(), st.booleans()))
 def test_unknown_schema_or_kind_is_rejected(msg, field, value):
-    m = _wire_map(msg)
+    m = wire_map(msg)
     if m[field] == value and type(value) is type(m[field]):
         return
     m[field] = value

@@ -13,6 +13,7 @@ import pytest
 from protocol import (ControlMessage, PromptRequest, ProtocolError, Trajectory, TrajectoryGroup, decode,
                       encode, pack_buckets)
 from protocol.codec import pack_frame, unpack_frame
+from wire_maps import wire_map
 
 VOCAB = 100
 
@@ -22,17 +23,6 @@ def _group() -> TrajectoryGroup:
     trajs[2] = Trajectory([7], [-1.0], [2], None, "error", "reward server down")
     return TrajectoryGroup("g-1", "p-1", [1, 2, 3], trajs, 3, VOCAB, 4, "engine-0", 12.5)
 
-
-def _thawed(msg) -> dict:
-    def thaw(x):
-        if isinstance(x, np.ndarray):
-            return x.copy()
-        if isinstance(x, dict):
-            return {k: thaw(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [thaw(v) for v in x]
-        return x
-    return thaw(unpack_frame(encode(msg)))
 
 
 def _reject(m: dict, path: str, *fragments: str) -> ProtocolError:
@@ -52,69 +42,69 @@ def _set_element(m, dotted, index, value):
 @pytest.mark.parametrize("value,fragment", [(math.nan, "got nan"), (math.inf, "got inf"),
                                             (-math.inf, "got -inf"), (0.5, "got 0.5")])
 def test_bad_logprob_names_the_token(value, fragment):
-    m = _thawed(_group())
+    m = wire_map(_group())
     _set_element(m, "logprobs", 3, value)
     _reject(m, "trajectories[1].logprobs[3]", "a finite log-probability <= 0", fragment)
 
 
 @pytest.mark.parametrize("token", [VOCAB, -1, 1 << 30])
 def test_token_outside_vocab(token):
-    m = _thawed(_group())
+    m = wire_map(_group())
     _set_element(m, "response_ids", 4, token)
     _reject(m, "trajectories[1].response_ids[4]", f"a token id in [0, {VOCAB})", f"got {token}")
 
 
 def test_prompt_token_outside_vocab():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["prompt_ids"][2] = VOCAB
     _reject(m, "prompt_ids[2]", f"[0, {VOCAB})", f"got {VOCAB}")
 
 
 def test_negative_token_version():
-    m = _thawed(_group())
+    m = wire_map(_group())
     _set_element(m, "versions", 0, -3)
     _reject(m, "trajectories[1].versions[0]", "a non-negative integer", "got -3")
 
 
 @pytest.mark.parametrize("field", ["logprobs", "versions"])
 def test_per_token_array_length_must_match_response(field):
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][0][field] = m["trajectories"][0][field][:4]
     _reject(m, f"trajectories[0].{field}", "length 5", "got 4")
 
 
 def test_wrong_dtype_of_per_token_array():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][0]["logprobs"] = m["trajectories"][0]["logprobs"].astype(np.float64)
     _reject(m, "trajectories[0].logprobs", "dtype float32", "float64")
 
 
 def test_two_dimensional_ids_are_rejected():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][0]["response_ids"] = np.zeros((5, 1), np.int32)
     _reject(m, "trajectories[0].response_ids", "1-d array", "2-d")
 
 
 def test_group_size_mismatch():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["group_size"] = 4
     _reject(m, "trajectories", "4 trajectories (group_size)", "got 3")
 
 
 def test_failed_sample_must_not_carry_a_reward():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][2]["reward"] = 0.0
     _reject(m, "trajectories[2].reward", "null for a failed sample", "got 0.0")
 
 
 def test_failed_sample_needs_a_reason():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][2]["error"] = ""
     _reject(m, "trajectories[2].error", "a reason for a failed sample")
 
 
 def test_successful_sample_needs_a_finite_reward():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][0]["reward"] = None
     _reject(m, "trajectories[0].reward", "a number", "got None")
     m["trajectories"][0]["reward"] = math.nan
@@ -122,13 +112,13 @@ def test_successful_sample_needs_a_finite_reward():
 
 
 def test_unknown_finish_reason():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][1]["finish_reason"] = "timeout"
     _reject(m, "trajectories[1].finish_reason", "one of ('stop', 'length', 'abort', 'error')", "'timeout'")
 
 
 def test_missing_required_field():
-    m = _thawed(_group())
+    m = wire_map(_group())
     del m["trajectories"][1]["versions"]
     _reject(m, "trajectories[1].versions", "field is required", "missing")
 
@@ -142,22 +132,22 @@ def test_missing_required_field():
     ("engine_id", "e" * 5000, "a string of at most 4096 chars"),
 ])
 def test_top_level_field_rules(field, value, expected):
-    m = _thawed(_group())
+    m = wire_map(_group())
     m[field] = value
     _reject(m, field, expected)
 
 
 def test_trajectory_must_be_a_map():
-    m = _thawed(_group())
+    m = wire_map(_group())
     m["trajectories"][1] = [1, 2]
     _reject(m, "trajectories[1]", "a map", "list")
 
 
 def test_prompt_request_rules():
-    m = _thawed(PromptRequest("p", [1, 2], {"answer": "4"}, 0))
+    m = wire_map(PromptRequest("p", [1, 2], {"answer": "4"}, 0))
     m["prompt_ids"][1] = -5
     _reject(m, "prompt_ids[1]", "a non-negative integer", "got -5")
-    m = _thawed(PromptRequest("p", [1, 2], {"answer": "4"}, 0))
+    m = wire_map(PromptRequest("p", [1, 2], {"answer": "4"}, 0))
     m["task"]["answer"] = [4]
     _reject(m, "task.answer", "a string or number", "list")
     m["task"]["answer"] = math.inf
@@ -165,10 +155,10 @@ def test_prompt_request_rules():
 
 
 def test_control_message_rules():
-    m = _thawed(ControlMessage("pause", {"reason": "refit"}))
+    m = wire_map(ControlMessage("pause", {"reason": "refit"}))
     m["action"] = "explode"
     _reject(m, "action", "one of ('attach'", "'explode'")
-    m = _thawed(ControlMessage("pause", {"reason": "refit"}))
+    m = wire_map(ControlMessage("pause", {"reason": "refit"}))
     m["payload"]["reason"] = {"nested": 1}
     _reject(m, "payload.reason", "a scalar", "dict")
 
@@ -176,7 +166,7 @@ def test_control_message_rules():
 def _manifest_map():
     raw = np.arange(24, dtype=np.uint8)
     manifest, _ = pack_buckets([("a", "float32", (2, 3), raw), ("b", "uint8", (4,), raw[:4])], 5, 16)
-    return _thawed(manifest)
+    return wire_map(manifest)
 
 
 def test_manifest_rules():
@@ -210,10 +200,10 @@ def test_manifest_shape_overflow_is_not_wrapped():
 
 def test_weight_bucket_rules():
     _, buckets = pack_buckets([("a", "uint8", (8,), np.arange(8, dtype=np.uint8))], 2, 16)
-    m = _thawed(buckets[0])
+    m = wire_map(buckets[0])
     m["data"] = m["data"].astype(np.int32)
     _reject(m, "data", "dtype uint8", "int32")
-    m = _thawed(buckets[0])
+    m = wire_map(buckets[0])
     m["index"] = -1
     _reject(m, "index", "an integer >= 0")
 
@@ -230,6 +220,6 @@ def test_error_repr_is_bounded_for_hostile_values():
 @pytest.mark.parametrize("schema", [np.zeros(2, np.int32), np.ones(1, np.int64), 1.0, True, 2, "1", None])
 def test_schema_must_be_exactly_the_int_version(schema):
     """An array here once escaped as numpy's "truth value is ambiguous" ValueError."""
-    m = _thawed(ControlMessage("ack"))
+    m = wire_map(ControlMessage("ack"))
     m["schema"] = schema
     _reject(m, "schema", "schema version 1")
