@@ -14,7 +14,8 @@ from rollout.rewards import RewardFailure
 from rollout.tasks import make_prompts
 from rollout.weight_receiver import WeightUpdateError
 
-from rollout_engine_helpers import GROUP_SIZE, model_tensors, push_model
+from model_weights import model_tensors
+from rollout_engine_helpers import GROUP_SIZE, push_model
 
 
 @functools.lru_cache(maxsize=2)

@@ -26,26 +26,13 @@ import httpx
 import numpy as np
 import pytest
 
+from model_weights import model_tensors
 from test_pool_and_loops import rows, scrape, tiny_recipe
 
 pytestmark = pytest.mark.fault
 
 POOL_NAME = "inflight-fault-pool"
 TOKEN = "fault-admin-token"
-
-
-def model_tensors(model_dir: str):
-    """``(name, dtype, shape, raw bytes)`` of every tensor in a model directory's safetensors file."""
-    from rollout.weight_receiver import PROTOCOL_DTYPES, read_safetensors_header
-
-    path = f"{model_dir}/model.safetensors"
-    header = read_safetensors_header(path)
-    data = np.fromfile(path, dtype=np.uint8)
-    start = 8 + int(np.frombuffer(data[:8].tobytes(), "<u8")[0])
-    for name, entry in header.items():
-        if name != "__metadata__":
-            lo, hi = entry["data_offsets"]
-            yield name, PROTOCOL_DTYPES[entry["dtype"]], tuple(entry["shape"]), data[start + lo:start + hi]
 
 
 def bucket_refs(buckets) -> list:
