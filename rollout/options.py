@@ -29,6 +29,8 @@ KEY = "policy.generation.vllm_cfg"
 Platform = Literal["cpu", "cuda"]
 CUDA_GRAPH_MODE = "FULL_AND_PIECEWISE"
 """CUDA-graph mode used when ``enforce_eager`` is False on GPU (full graphs for decode, piecewise for prefill)."""
+WORKER_EXTENSION = "rollout.collective_receiver.CollectiveWeightReceiver"
+"""vLLM worker extension (``worker_extension_cls``) that receives weight pushes over a collective group."""
 
 
 class EngineOptionError(ValueError):
@@ -128,19 +130,20 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
     on_cpu = caps.platform == "cpu"
     args: dict[str, Any] = dict(model=model_path, tokenizer=model_path, max_model_len=max_model_len,
                                 seed=cfg.seed, dtype=cfg.precision, enforce_eager=cfg.enforce_eager,
-                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching)
+                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
+                                worker_extension_cls=WORKER_EXTENSION)
     applied = {"seed": f"seed={cfg.seed}", "precision": f"dtype={cfg.precision!r}",
                "max_num_seqs": f"max_num_seqs={cfg.max_num_seqs}",
                "enable_prefix_caching": f"enable_prefix_caching={cfg.enable_prefix_caching}"}
     env: dict[str, str] = {}
     ignored: list[IgnoredOption] = []
-    platform_args: list[str] = []
+    platform_args: list[str] = [f"worker_extension_cls={WORKER_EXTENSION} (receives collective weight pushes)"]
     arg_key = {"tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
                "enable_expert_parallel": "expert_parallel_size", "moe_backend": "moe_backend",
                "all2all_backend": "all2all_backend", "gpu_memory_utilization": "gpu_memory_utilization",
                "compilation_config": "enforce_eager", "enforce_eager": "enforce_eager",
                "max_num_seqs": "max_num_seqs", "enable_prefix_caching": "enable_prefix_caching",
-               "seed": "seed", "dtype": "precision"}
+               "seed": "seed", "dtype": "precision", "worker_extension_cls": "worker_extension_cls"}
 
     if on_cpu:
         applied["enforce_eager"] = (f"enforce_eager={cfg.enforce_eager}"

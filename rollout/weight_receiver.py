@@ -18,8 +18,9 @@ bucket bytes: the safetensors format is an 8-byte header length, a JSON
 header with each tensor's dtype, shape and byte range, then the raw bytes.
 The engine then asks its workers to ``reload_weights`` from that directory.
 
-On GPU the services layer can feed buckets that arrived over NCCL to the same
-two functions.
+A push that arrived over a collective group (:mod:`rollout.collective_receiver`)
+was checked byte for byte on the device; :func:`verify_manifest` then applies
+checks 2 and 3 to its manifest before it is installed.
 """
 from __future__ import annotations
 
@@ -96,15 +97,20 @@ def verify_push(manifest: WeightManifest, buckets: list[WeightBucket], expected:
     """Check a push completely; returns ``(spec, raw bytes)`` per tensor or raises :class:`WeightUpdateError`.
 
     ``current_version=None`` skips the version-order check (a learner re-syncing the engine)."""
-    if current_version is not None and manifest.version <= current_version:
-        raise WeightUpdateError(f"weight push rejected: manifest.version {manifest.version} must be greater "
-                                f"than the version being served ({current_version})")
+    _check_version(manifest, current_version)
     try:
         tensors = list(unpack_buckets(manifest, buckets))
     except ProtocolError as exc:
         raise WeightUpdateError(f"weight push v{manifest.version} rejected: {exc}") from exc
+    verify_manifest(manifest, expected, current_version)
+    return tensors
+
+
+def verify_manifest(manifest: WeightManifest, expected: ExpectedParams, current_version: int | None) -> None:
+    """Checks 2 and 3 above on the manifest alone (a collective push checked its bytes on the device)."""
+    _check_version(manifest, current_version)
     seen: set[str] = set()
-    for spec, _ in tensors:
+    for spec in manifest.tensors:
         want = expected.params.get(spec.name)
         if want is None:
             raise WeightUpdateError(f"weight push v{manifest.version} rejected: tensor {spec.name!r} "
@@ -122,7 +128,12 @@ def verify_push(manifest: WeightManifest, buckets: list[WeightBucket], expected:
     if missing:
         raise WeightUpdateError(f"weight push v{manifest.version} rejected: {len(missing)} model parameters "
                                 f"missing, e.g. {missing[:4]}")
-    return tensors
+
+
+def _check_version(manifest: WeightManifest, current_version: int | None) -> None:
+    if current_version is not None and manifest.version <= current_version:
+        raise WeightUpdateError(f"weight push rejected: manifest.version {manifest.version} must be greater "
+                                f"than the version being served ({current_version})")
 
 
 def write_safetensors(path: str | os.PathLike, tensors: list[tuple[TensorSpec, np.ndarray]]) -> int:

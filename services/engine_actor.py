@@ -91,6 +91,16 @@ class EngineActor:
         buckets = [decode(d, expect=WeightBucket) for d in datas]
         return await self.engine.apply_weights(manifest, buckets, reset=reset)
 
+    async def weight_group_members(self) -> int:
+        return self.engine.weight_group_members
+
+    async def join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
+                                timeout_s: float) -> list[int]:
+        return await self.engine.join_weight_group(host, port, rank_base, world_size, timeout_s)
+
+    async def receive_weights(self, reset: bool = False) -> int:
+        return await self.engine.receive_weights(reset=reset)
+
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         out = await self.engine.logprobs_of(prompt_ids, response_ids)
         return [a.tolist() for a in out]

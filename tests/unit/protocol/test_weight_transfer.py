@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from protocol.weights import _manifest_checksum
-from services.weight_transfer import (ALIGN, WeightTransferError, WeightTransferGroup, device_checksum,
+from protocol.weight_transfer import (ALIGN, WeightTransferError, WeightTransferGroup, device_checksum,
                                       named_views, plan_buckets)
 
 

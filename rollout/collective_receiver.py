@@ -1,0 +1,89 @@
+"""Receive weight pushes over a collective group inside vLLM's workers.
+
+vLLM runs its model in worker processes (V1 ``AsyncLLM`` always puts the
+engine core in a child process), so a push that arrives over NCCL (gloo on
+CPU) must be received *there*, on the worker's device, next to the model.
+:class:`CollectiveWeightReceiver` is a vLLM ``worker_extension_cls``: its
+methods are mixed into the worker class and called from the engine with
+``collective_rpc``:
+
+1. ``inflight_join_weight_group(host, port, rank_base, world_size, timeout_s)``
+   -- join the learner's :class:`protocol.weight_transfer.WeightTransferGroup`
+   as rank ``rank_base + worker rank`` (an engine with tensor parallelism has
+   one member per worker; each gets the full weights), closing any previous
+   group first.
+2. ``inflight_receive_weights()`` -- receive the next push into buffers on
+   the worker's device and verify its device checksums (a corrupted or short
+   transfer raises, nothing is kept); returns the encoded
+   :class:`protocol.WeightManifest`. Generation continues around it: the
+   engine core runs this between two scheduler steps and it lasts as long as
+   the transfer.
+3. ``inflight_install_received()`` -- with generation paused by the engine,
+   load the received tensors through vLLM's layerwise ``reload_weights`` (the
+   path that repacks CPU linear weights and reorders FlashInfer CUTLASS MoE
+   gate/up halves; a plain ``load_weights`` would not), then free the buffers.
+4. ``inflight_drop_received()`` -- free the buffers of a push the engine
+   rejected.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveWeightReceiver:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); uses the worker's ``device``, ``rank``
+    and ``reload_weights``."""
+
+    _inflight_group = None
+    _inflight_received = None
+
+    def inflight_join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
+                                   timeout_s: float) -> int:
+        from protocol.weight_transfer import WeightTransferGroup
+
+        self.inflight_leave_weight_group()
+        rank = rank_base + int(getattr(self, "rank", 0))
+        device = getattr(self, "device", None)
+        if device is None or getattr(device, "type", "cpu") not in ("cuda", "cpu"):
+            device = "cpu"
+        logger.info("weight group %s:%d: joining as rank %d of %d on %s", host, port, rank, world_size, device)
+        self._inflight_group = WeightTransferGroup(host, port, rank, world_size, device, timeout_s)
+        return rank
+
+    def inflight_leave_weight_group(self) -> None:
+        group, self._inflight_group = self._inflight_group, None
+        self._inflight_received = None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # noqa: BLE001 - a broken group is dropped either way
+                logger.warning("weight group: closing the previous group failed", exc_info=True)
+
+    def inflight_receive_weights(self) -> bytes:
+        from protocol import encode
+
+        if self._inflight_group is None:
+            raise RuntimeError("inflight_receive_weights: this worker has not joined a weight group")
+        self._inflight_received = None
+        manifest, buckets = self._inflight_group.recv()
+        self._inflight_received = (manifest, buckets)
+        return encode(manifest)
+
+    def inflight_install_received(self, version: int) -> int:
+        from protocol.weight_transfer import named_views
+
+        if self._inflight_received is None or self._inflight_received[0].version != version:
+            have = None if self._inflight_received is None else self._inflight_received[0].version
+            raise RuntimeError(f"inflight_install_received: v{version} was not received by this worker "
+                               f"(holding {have})")
+        manifest, buckets = self._inflight_received
+        try:
+            self.reload_weights(weights_iterator=iter(named_views(manifest, buckets)))
+        finally:
+            self._inflight_received = None
+        return manifest.total_bytes
+
+    def inflight_drop_received(self) -> None:
+        self._inflight_received = None
