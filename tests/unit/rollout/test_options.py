@@ -12,7 +12,7 @@ from rollout.options import (CUDA_GRAPH_MODE, EngineOptionError, VllmCapabilitie
 ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
                   "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
                   "gpu_memory_utilization", "compilation_config", "enable_expert_parallel", "moe_backend",
-                  "all2all_backend", "enable_chunked_prefill"})
+                  "all2all_backend", "enable_chunked_prefill", "worker_extension_cls"})
 GPU = VllmCapabilities("0.25.1", "cuda", ARGS, ("auto", "triton", "flashinfer_cutlass"),
                        ("allgather_reducescatter", "flashinfer_nvlink_one_sided"), ("NONE", CUDA_GRAPH_MODE))
 CPU = dataclasses.replace(GPU, version="0.32.0", platform="cpu")
