@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from rollout.config import VllmConfig
-from rollout.options import (CUDA_GRAPH_MODE, EngineOptionError, VllmCapabilities, build_engine_options,
+from rollout.options import (CUDA_GRAPH_MODE, WORKER_EXTENSION, EngineOptionError, VllmCapabilities, build_engine_options,
                              probe_vllm)
 
 ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
@@ -28,7 +28,7 @@ def test_gpu_recipe_maps_every_option():
         max_num_seqs=64, enable_prefix_caching=True, tensor_parallel_size=2, pipeline_parallel_size=1,
         gpu_memory_utilization=0.7, compilation_config={"cudagraph_mode": CUDA_GRAPH_MODE},
         enable_expert_parallel=True, moe_backend="flashinfer_cutlass",
-        all2all_backend="flashinfer_nvlink_one_sided")
+        all2all_backend="flashinfer_nvlink_one_sided", worker_extension_cls=WORKER_EXTENSION)
     assert opts.env == {}
     assert [i.key for i in opts.ignored] == ["cpu_kvcache_space_gib"]
     assert "moe_backend='flashinfer_cutlass' (KernelConfig.moe_backend)" in opts.applied["moe_backend"]
