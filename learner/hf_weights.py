@@ -264,12 +264,15 @@ def hf_tensors_from_shards(name: str, arch: HFArchitecture, shards: list[torch.T
 
 @torch.no_grad()
 def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
-                         metas: list[HFTensorMeta]) -> dict[str, torch.Tensor] | None:
+                         metas: list[HFTensorMeta], on_device: bool = False) -> dict[str, torch.Tensor] | None:
     """Gather ``model`` into HF tensors named, typed and shaped as ``metas`` (in that order).
 
     Collective: every rank of the TP and EP groups must call it. Global rank 0
-    gets the CPU state dict (copies: later training does not change it); the
-    other ranks get None."""
+    gets the state dict, the other ranks get None. By default it is a CPU copy
+    (later training does not change it); ``on_device`` leaves the tensors on
+    the model's device, where they may be views of the parameters (use them
+    before the next optimizer step)."""
+    keep = (lambda t: t) if on_device else _host_copy
     from megatron.core import parallel_state as ps
 
     lay = ParallelLayout.current()
@@ -284,12 +287,12 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
             for ep_rank, whole in enumerate(_all_gather(param.detach(), ep_group)):
                 expert = ep_rank * per_rank + int(local_expert.group(1))
                 if is_root:
-                    out.update(hf_tensors_from_shards(name, arch, [_host_copy(whole)], expert))
+                    out.update(hf_tensors_from_shards(name, arch, [keep(whole)], expert))
             continue
         split = getattr(param, "tensor_model_parallel", False) and lay.tp_size > 1
         shards = _all_gather(param.detach(), tp_group) if split else [param.detach()]
         if is_root:
-            out.update(hf_tensors_from_shards(name, arch, [_host_copy(s) for s in shards]))
+            out.update(hf_tensors_from_shards(name, arch, [keep(s) for s in shards]))
     if not is_root:
         return None
     return _match_source(out, metas)

@@ -292,6 +292,13 @@ class Learner:
             return None
         return pack_hf_buckets(state, self.hf_metas, self.policy_version, bucket_bytes)
 
+    def export_weight_tensors(self) -> list[tuple[str, torch.Tensor]] | None:
+        """HF-named weights of version ``policy_version`` on the model's device, in the source checkpoint's
+        order, for a collective push; collective, rank 0 gets them (others None). They may be views of the
+        parameters: send them before the next :meth:`train_step`."""
+        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas, on_device=True)
+        return None if state is None else list(state.items())
+
     def save_hf(self, path: str) -> None:
         """Write a transformers/vLLM-loadable HF directory (collective; rank 0 writes)."""
         state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas)

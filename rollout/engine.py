@@ -122,6 +122,7 @@ class EngineStats:
     refit_seconds_last: float = 0.0
     pause_seconds_last: float = 0.0
     refit_bytes_total: int = 0
+    refit_bytes_last: int = 0
     prefix_cache_reset_deferred: int = 0
     version_drain_incomplete: int = 0
     """Updates where the front end had not delivered every pre-pause output in time (streamed labels)."""
@@ -529,6 +530,7 @@ class RolloutEngine:
         self._stats.refit_seconds_last = elapsed
         self._stats.refit_seconds_total += elapsed
         self._stats.refit_bytes_total += nbytes
+        self._stats.refit_bytes_last = nbytes
 
     async def _swap(self, llm, version: int, install) -> None:
         """Pause (``pause_mode``), ``await install()`` (the workers reload their weights), reset the prefix

@@ -73,6 +73,13 @@ class PolicyConfig(ConfigModel):
     """Rows per micro-batch when packing is off."""
     refit_bucket_mb: int = Field(512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
+    refit_transport: Literal["object_store", "collective"] = "object_store"
+    """How weights reach the engines after a step. ``object_store``: rank 0 exports CRC32-checked buckets
+    to host memory, the pool keeps them and each engine installs them from ``/dev/shm`` (works everywhere;
+    a restarted engine gets the latest version from the pool). ``collective``: rank 0 broadcasts buckets
+    from its device to every engine worker over one NCCL group (gloo on CPU), received in the vLLM workers
+    while they keep generating and checked on the device; a restarted engine rejoins at the next push.
+    Needs the learner and the engines on their own devices (not colocated)."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """Sampling and engines."""
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -192,6 +199,9 @@ class Recipe(ConfigModel):
         if a.enabled and g.colocated.enabled:
             raise ValueError("grpo.async_grpo.enabled requires policy.generation.colocated.enabled=false "
                              "(the learner and the pool need their own devices)")
+        if p.refit_transport == "collective" and g.colocated.enabled:
+            raise ValueError("policy.refit_transport='collective' requires policy.generation.colocated.enabled="
+                             "false (a colocated engine shares the learner's GPU; use 'object_store')")
         if a.enabled and not self.loss_fn.use_importance_sampling_correction:
             raise ValueError("grpo.async_grpo.enabled requires loss_fn.use_importance_sampling_correction=true "
                              "(lag-1 samples come from an older policy)")

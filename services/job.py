@@ -11,8 +11,9 @@ like the algorithm; this class holds the machinery behind each line:
   is buffered or finished — the pool re-queues a dead engine's prompts — is
   counted as ``duplicate`` and ignored), bounded by a deadline;
 - ``train(groups)``   one optimizer step on the learner ranks;
-- ``push_weights()``  export buckets from the learner and install them on every
-  engine (in flight: the engines keep generating);
+- ``push_weights()``  move the learner's weights to every engine (in flight: the
+  engines keep generating) by the recipe's transport (:mod:`services.refit`),
+  retried up to ``REFIT_ATTEMPTS`` times;
 - ``finish_step()``   parity probe, metrics.jsonl / TensorBoard / Prometheus,
   checkpoint.
 """
@@ -33,6 +34,7 @@ from services.buffer import TrajectoryBuffer
 from services.channel import ChannelTimeout, TrajectoryChannel
 from services.data import PromptSource
 from services.ledger import PromptLedger
+from services.refit import make_refit
 from services.run_log import RunLog
 
 log = logging.getLogger("inflight.job")
@@ -90,6 +92,8 @@ class LearnerJob:
         self.parity_set: list[tuple[list[int], list[int]]] = []
         self.step = 0
         self.version = int(learner.call("version"))
+        self.refit = make_refit(recipe, pool, learner)
+        self.last_refit: dict = {}
         self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
         if resume:
             self._resume()
@@ -140,7 +144,7 @@ class LearnerJob:
             try:
                 self._receive(self.channel.recv(min(left, 5.0)))
             except ChannelTimeout:
-                continue
+                self.refit.serve_waiting_engines()  # a restarted engine may be waiting for our weights
 
     def train(self, buffered: list) -> dict:
         import ray
@@ -161,13 +165,11 @@ class LearnerJob:
         return metrics
 
     def push_weights(self, reset: bool = False) -> dict:
-        bucket_bytes = self.recipe.policy.refit_bucket_mb * 1024 * 1024
         last = None
         for attempt in range(1, REFIT_ATTEMPTS + 1):
-            manifest, refs = self.learner.call("export_weights", bucket_bytes)
             try:
-                return self.pool.update_weights.remote(manifest, refs, reset).result(
-                    timeout_s=self.recipe.policy.generation.request_timeout_s + 60)
+                self.last_refit = self.refit.push(reset)
+                return self.last_refit
             except Exception as exc:  # noqa: BLE001 - retried, then reported with the cause
                 last = exc
                 log.warning("refit attempt %d/%d failed: %s", attempt, REFIT_ATTEMPTS, exc)
@@ -187,6 +189,9 @@ class LearnerJob:
             elif isinstance(v, (int, float)):
                 row[k] = v
         row.update(parity)
+        row["refit_bytes"] = self.last_refit.get("bytes", 0)
+        if "pause_seconds_max" in self.last_refit:
+            row["refit_pause_s"] = self.last_refit["pause_seconds_max"]
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.buffer)
         row.update({f"dropped_{k}": v for k, v in self.buffer.drops.items()})

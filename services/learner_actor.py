@@ -4,8 +4,11 @@
 CPU), gives them a common ``torch.distributed`` rendezvous, and calls every
 method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
 Trajectories reach the actors as protocol bytes in the Ray object store and
-are decoded inside; weights leave as encoded ``WeightManifest`` /
-``WeightBucket`` bytes put in the object store by rank 0.
+are decoded inside. Weights leave either as encoded ``WeightManifest`` /
+``WeightBucket`` bytes put in the object store by rank 0
+(``policy.refit_transport: object_store``) or, with ``collective``, straight
+from rank 0's device over a :class:`protocol.weight_transfer.WeightTransferGroup`
+that rank 0 opens with the pool's engines (NCCL on GPU, gloo on CPU).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class LearnerActor:
         kw["packing"] = SequencePackingConfig.model_validate_json(kw["packing"])
         self.rank = rank
         self.learner = Learner(**kw)
+        self._weight_group = None
+        self._staged = None
 
     def version(self) -> int:
         return self.learner.policy_version
@@ -46,6 +51,53 @@ class LearnerActor:
             return None
         return encode(manifest), [ray.put(encode(b)) for b in buckets]
 
+    def weight_group_address(self) -> tuple[str, int] | None:
+        """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
+        import ray
+
+        from services.pool import _free_port
+
+        return (ray.util.get_node_ip_address(), _free_port()) if self.rank == 0 else None
+
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0: open the weight group as its sender (returns once every engine worker joined)."""
+        from protocol.weight_transfer import WeightTransferGroup
+
+        if self.rank != 0:
+            return
+        self.leave_weight_group()
+        device = self.learner._device()
+        self._weight_group = WeightTransferGroup(host, port, 0, world_size, device, timeout_s)
+
+    def leave_weight_group(self) -> None:
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # noqa: BLE001 - a broken group is dropped either way
+                pass
+
+    def stage_weights(self) -> None:
+        """Gather this version's HF tensors on rank 0's device (collective), ready for :meth:`send_staged`."""
+        self._staged = self.learner.export_weight_tensors()
+
+    def send_staged(self, bucket_bytes: int) -> dict | None:
+        """Rank 0: push the staged tensors to the weight group; returns the bytes and seconds."""
+        import time
+
+        if self.rank != 0:
+            return None
+        if self._weight_group is None or self._staged is None:
+            raise RuntimeError("send_staged: no weight group joined or nothing staged")
+        t0 = time.perf_counter()
+        staged, self._staged = self._staged, None
+        try:
+            manifest = self._weight_group.send(self.learner.policy_version, staged, bucket_bytes)
+        except Exception:
+            self.leave_weight_group()  # the receivers' collectives then fail at once instead of timing out
+            raise
+        return {"version": manifest.version, "bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         import numpy as np
 
@@ -63,6 +115,7 @@ class LearnerActor:
         self.learner.save_hf(path)
 
     def shutdown(self) -> None:
+        self.leave_weight_group()
         self.learner.shutdown()
 
 
@@ -91,9 +144,15 @@ class LearnerGroup:
         self.call("version")  # surfaces construction errors here, bounded
 
     def call(self, method: str, *args):
+        return self.wait(self.call_async(method, *args), method)
+
+    def call_async(self, method: str, *args) -> list:
+        """Start ``method`` on every rank; :meth:`wait` gives rank 0's answer."""
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def wait(self, refs: list, method: str):
         import ray
 
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
             return ray.get(refs, timeout=self.timeout)[0]
         except ray.exceptions.GetTimeoutError:

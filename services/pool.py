@@ -32,6 +32,14 @@ Faults (docs/reliability.md):
   up, the push waits for one, bounded by its timeout). A push
   that fails on an engine that is up is rejected as a whole (the pool's
   version does not advance) and counted in ``inflight_refit_failures``.
+- **Collective pushes** (``policy.refit_transport: collective``) go over a
+  weight group that the learner opens with the engines that are up
+  (``weight_group_plan`` → ``join_weight_group``); the pool only tracks which
+  engine processes are in it. An engine that restarts is not in the group: it
+  takes no work until the learner, seeing ``weight_group_current`` false (or
+  ``engines_wanting_weights`` while it waits for groups), re-forms the group
+  and pushes its version again. A push that fails anywhere drops the group
+  (its communicator state is unknown); the next attempt re-forms it.
 """
 from __future__ import annotations
 
@@ -80,6 +88,13 @@ def _refit_failure_reason(errors: list[BaseException]) -> str:
     return "failed"
 
 
+def _engine_gone(exc: BaseException) -> bool:
+    """The engine actor's process died or is restarting."""
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError)  # includes ActorUnavailableError (restarting)
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The engine's own exception inside a ``RayTaskError`` (whose text is mostly a traceback)."""
     cause = getattr(exc, "cause", None)
@@ -103,6 +118,7 @@ class RolloutPool:
         self._next_engine = 0
         self.version = 0
         self._latest_weights: tuple[bytes, list] | None = None
+        self._weight_group: dict[str, int] | None = None  # engine id -> pid of its process, while in the group
         self.learner: dict | None = None
         self.channel = None
         self.paused = False
@@ -156,6 +172,7 @@ class RolloutPool:
         for eid, res in zip(self.engines, results):
             ok = not isinstance(res, BaseException)
             self.engine_state[eid] = {"up": ok, "version": res["version"] if ok else None,
+                                      "pid": res["pid"] if ok else None,
                                       "error": None if ok else f"start failed: {res!r}"[:300]}
             self.metrics.engine_up.labels(engine=eid).set(1 if ok else 0)
             if not ok:
@@ -353,6 +370,93 @@ class RolloutPool:
             self.metrics.refit_bytes.inc(manifest.total_bytes * len(installed))
             return {"version": self.version, "seconds": seconds, "bytes": manifest.total_bytes,
                     "engines": len(installed)}
+
+    # ------------------------------------------------------------ collective pushes
+    def _up(self) -> dict[str, int]:
+        """Engines that are up -> the pid of their process."""
+        return {e: s.get("pid") for e, s in self.engine_state.items() if s.get("up")}
+
+    async def weight_group_current(self) -> bool:
+        """True while the weight group holds exactly the engine processes that are up."""
+        return self._weight_group is not None and self._weight_group == self._up()
+
+    async def engines_wanting_weights(self) -> list[str]:
+        """Engines that are up but not at the pool's version (restarted; waiting for a push)."""
+        return [e for e, s in self.engine_state.items() if s.get("up") and s.get("version") != self.version]
+
+    async def weight_group_plan(self, timeout_s: float) -> dict:
+        """Ranks a new weight group gives the engines that are up (rank 0 is the learner; an engine takes
+        one rank per vLLM worker) and its world size; waits at most ``timeout_s`` for an engine to be up."""
+        await self._some_engine_up(timeout_s)
+        up = list(self._up())
+        if not up:
+            raise self._refit_failed("?", {"pool": RuntimeError("no engine is up")})
+        sizes = await asyncio.gather(*[asyncio.wait_for(self.engines[e].weight_group_members.remote(),
+                                                        HEALTH_TIMEOUT_S) for e in up])
+        ranks, world = {}, 1
+        for eid, n in zip(up, sizes):
+            ranks[eid], world = world, world + int(n)
+        return {"ranks": ranks, "world_size": world}
+
+    async def join_weight_group(self, host: str, port: int, plan: dict, timeout_s: float) -> dict:
+        """Have the planned engines join the learner's weight group at ``host:port`` (the learner joins as
+        rank 0 at the same time); bounded by ``timeout_s``."""
+        async with self._refit_lock:
+            self._weight_group = None
+            eids = list(plan["ranks"])
+            results = await asyncio.gather(*[asyncio.wait_for(self.engines[e].join_weight_group.remote(
+                host, port, plan["ranks"][e], plan["world_size"], timeout_s), timeout_s + 60) for e in eids],
+                return_exceptions=True)
+            failed = {e: r for e, r in zip(eids, results) if isinstance(r, BaseException)}
+            for eid, exc in failed.items():
+                if _engine_gone(exc):  # the watcher brings it back; the next plan leaves it out until then
+                    self._mark_down(eid, exc)
+            if failed:
+                raise self._refit_failed("?", failed)
+            self._weight_group = {e: self.engine_state[e].get("pid") for e in eids}
+            log.info("pool %s: weight group %s:%d formed with %s (world %d)", self.name, host, port, eids,
+                     plan["world_size"])
+            return {"engines": eids, "world_size": plan["world_size"]}
+
+    async def receive_weights(self, reset: bool = False, timeout_s: float | None = None) -> dict:
+        """Every engine of the weight group receives the learner's next push and installs it in flight.
+
+        Atomic per engine; the pool's version advances only if all of them installed it. Any failure drops
+        the group (the learner re-forms it before its next attempt)."""
+        import ray
+
+        timeout_s = timeout_s or self.recipe.policy.generation.request_timeout_s
+        t0 = time.perf_counter()
+        async with self._refit_lock:
+            if self._weight_group is None:
+                raise self._refit_failed("?", {"pool": RuntimeError("no weight group: the learner must form "
+                                                                    "one first (weight_group_plan)")})
+            eids = list(self._weight_group)
+            results = await asyncio.gather(*[asyncio.wait_for(self.engines[e].receive_weights.remote(reset),
+                                                              timeout_s) for e in eids], return_exceptions=True)
+            failed = {}
+            for eid, res in zip(eids, results):
+                if _engine_gone(res):
+                    self._mark_down(eid, res)
+                if isinstance(res, BaseException):
+                    failed[eid] = res
+                else:
+                    self.engine_state[eid]["version"] = res
+            if failed:
+                self._weight_group = None
+                raise self._refit_failed("?", failed)
+            version = results[0]
+            seconds = time.perf_counter() - t0
+            self.version, self._latest_weights = version, None
+            self.metrics.policy_version.set(version)
+            self.metrics.refit_seconds.observe(seconds)
+            stats = await asyncio.gather(*[asyncio.wait_for(self.engines[e].stats.remote(), HEALTH_TIMEOUT_S)
+                                           for e in eids], return_exceptions=True)
+            nbytes = [s.get("refit_bytes_last", 0) for s in stats if isinstance(s, dict)]
+            self.metrics.refit_bytes.inc(sum(nbytes))
+            pauses = [s.get("pause_seconds_last", 0.0) for s in stats if isinstance(s, dict)]
+            return {"version": version, "seconds": seconds, "bytes": max(nbytes, default=0), "engines": len(eids),
+                    "pause_seconds_max": max(pauses, default=0.0)}
 
     async def _some_engine_up(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` until an engine is up (the only one may be restarting: the watcher

@@ -261,7 +261,9 @@ class EngineKiller(threading.Thread):
 
 
 @pytest.mark.timeout(600)
-def test_engine_killed_mid_step_restarts_and_its_prompts_are_requeued(pool, tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_engine_killed_mid_step_restarts_and_its_prompts_are_requeued(pool, tmp_path, transport):
+    """With ``collective`` the restarted engine is outside the weight group: the learner re-forms it."""
     from services.job import LearnerJob
     from services.learner_actor import LearnerGroup
     from services.loop_async import run_async
@@ -269,7 +271,8 @@ def test_engine_killed_mid_step_restarts_and_its_prompts_are_requeued(pool, tmp_
 
     recipe, handle, url = pool
     steps = 4
-    run_recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", f"grpo.max_num_steps={steps}")
+    run_recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", f"grpo.max_num_steps={steps}",
+                             f"policy.refit_transport={transport}")
     (engine_id,) = _status(handle)["engines"]
     requeued_before = _status(handle)["requeued_prompts"]
     model_path = resolve_model(recipe.policy.model_name)
@@ -286,7 +289,7 @@ def test_engine_killed_mid_step_restarts_and_its_prompts_are_requeued(pool, tmp_
     if killer.error:
         raise killer.error
     t = killer.times
-    print(f"engine death: ready again {t['ready'] - t['kill']:.1f} s after the kill, next step written "
+    print(f"engine death ({transport}): ready again {t['ready'] - t['kill']:.1f} s after the kill, next step written "
           f"{t['step'] - t['kill']:.1f} s after; requeued {_status(handle)['requeued_prompts'] - requeued_before} "
           f"prompts; ledger {job.ledger.summary()}; rejected {job.rejected}")
 
@@ -301,4 +304,6 @@ def test_engine_killed_mid_step_restarts_and_its_prompts_are_requeued(pool, tmp_
     lost = set(job.ledger.pending()) - buffered
     assert not lost, f"prompts neither trained, dropped with a reason, nor buffered: {sorted(lost)}"
     assert set(summary["dropped_by_reason"]) <= {"stale", "too_few_valid_samples", "generation_failed"}
+    if transport == "collective":
+        assert job.refit.groups_formed == 2  # at attach, and again for the restarted engine
     _generation_works(handle)

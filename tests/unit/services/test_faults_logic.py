@@ -10,6 +10,7 @@ from services.buffer import TrajectoryBuffer
 from services.job import REFIT_ATTEMPTS, LearnerJob
 from services.ledger import PromptLedger
 from services.pool import _refit_failure_reason
+from services.refit import CollectiveRefit, ObjectStoreRefit
 
 
 def group(pid: str, step: int = 1) -> TrajectoryGroup:
@@ -79,6 +80,7 @@ def test_push_weights_retries_then_names_the_learner_and_the_cause():
         "G", (), {"request_timeout_s": 1.0})})})
     job.learner = type("L", (), {"call": lambda self, m, *a: exports.append(m) or (b"manifest", [])})()
     job.pool = type("Pool", (), {"update_weights": _Refused(calls)})()
+    job.refit = ObjectStoreRefit(job.recipe, job.pool, job.learner)
     with pytest.raises(RuntimeError, match=rf"learner-x: weight push v3 failed {REFIT_ATTEMPTS} times.*checksum"):
         job.push_weights()
     assert len(calls) == REFIT_ATTEMPTS and exports == ["export_weights"] * REFIT_ATTEMPTS
@@ -96,3 +98,78 @@ def test_refit_failure_reason_looks_inside_ray_task_errors():
         cause = asyncio.TimeoutError()
 
     assert _refit_failure_reason([RayTaskErrorLike("ray::EngineActor.apply_weights() traceback ...")]) == "timeout"
+
+
+class _Response:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout_s: float):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return _Response(self.fn(*args))
+
+
+class _GroupPool:
+    """The pool's side of a collective push: the group is current until a push fails."""
+
+    def __init__(self):
+        self.current, self.joined, self.received = False, 0, []
+        self.weight_group_current = _Method(lambda: self.current)
+        self.weight_group_plan = _Method(lambda timeout: {"ranks": {"e0": 1}, "world_size": 2})
+        self.join_weight_group = _Method(self._join)
+        self.receive_weights = _Method(self._receive)
+
+    def _join(self, host, port, plan, timeout):
+        self.joined += 1
+        self.current = True
+
+    def _receive(self, reset, timeout):
+        self.received.append(reset)
+        return {"version": 1, "seconds": 0.1, "bytes": 10, "engines": 1}
+
+
+class _GroupLearner:
+    def __init__(self, fail_sends: int):
+        self.fail_sends, self.calls = fail_sends, []
+
+    def call(self, method, *args):
+        self.calls.append(method)
+        if method == "weight_group_address":
+            return "127.0.0.1", 1234
+        if method == "send_staged":
+            if self.fail_sends:
+                self.fail_sends -= 1
+                raise RuntimeError("gloo: connection reset by peer")
+            return {"seconds": 0.05}
+
+    def call_async(self, method, *args):
+        self.calls.append(method)
+        return []
+
+    def wait(self, refs, method):
+        return None
+
+
+def test_collective_refit_forms_the_group_once_and_again_after_a_failed_send():
+    recipe = type("R", (), {"policy": type("P", (), {"refit_bucket_mb": 1, "generation": type(
+        "G", (), {"request_timeout_s": 1.0})})})
+    pool, learner = _GroupPool(), _GroupLearner(fail_sends=0)
+    refit = CollectiveRefit(recipe, pool, learner)
+    out = refit.push(reset=False)
+    assert out["groups_formed"] == 1 and pool.received == [True]  # a new group: members may hold any version
+    refit.push(reset=False)
+    assert pool.joined == 1 and pool.received == [True, False]    # the group is current: no new one
+    learner.fail_sends = 1
+    with pytest.raises(RuntimeError, match="connection reset"):
+        refit.push(reset=False)
+    refit.push(reset=False)                                         # the next attempt re-forms the group
+    assert pool.joined == 2 and refit.groups_formed == 2 and pool.received[-1] is True
