@@ -45,6 +45,29 @@ class StepTimeout(TimeoutError):
     """The pool did not deliver a step's groups in time."""
 
 
+class ParityError(RuntimeError):
+    """After a refit the engines' log-probs disagree with the learner's beyond ``logger.parity_max_gen_kl``."""
+
+
+def parity_stats(engine: list, learner: list) -> dict:
+    """gen KL (``mean(exp(d) - 1 - d)``, d = engine - learner log-prob) and the absolute differences."""
+    e = np.concatenate([np.asarray(x, np.float64) for x in engine])
+    l = np.concatenate([np.asarray(x, np.float64) for x in learner])
+    d = e - l
+    return {"gen_kl_error": float(np.mean(np.exp(d) - 1.0 - d)), "parity_max_abs_logprob_diff": float(np.abs(d).max()),
+            "parity_mean_abs_logprob_diff": float(np.abs(d).mean())}
+
+
+def check_parity(stats: dict, max_gen_kl: float, version: int) -> None:
+    """Raise :class:`ParityError` if ``stats`` (from :func:`parity_stats`) exceed ``max_gen_kl``."""
+    kl = stats.get("gen_kl_error", 0.0)
+    if not kl <= max_gen_kl:  # NaN fails too
+        raise ParityError(f"parity probe after the refit to v{version}: gen KL {kl:.3g} > logger.parity_max_gen_kl "
+                          f"{max_gen_kl:g} (mean |d logprob| {stats['parity_mean_abs_logprob_diff']:.3g}, max "
+                          f"{stats['parity_max_abs_logprob_diff']:.3g}): the engines are not serving the "
+                          f"learner's weights")
+
+
 class StepTimer:
     """Wall time of one step split into named phases; ``other`` is the rest."""
 
@@ -179,7 +202,7 @@ class LearnerJob:
     def finish_step(self, step: int, metrics: dict, timer: StepTimer) -> dict:
         self.step = step
         with timer.phase("parity_probe"):
-            parity = self.parity_probe()
+            parity = self.checked_parity()
         times = timer.summary()
         times["other_s"] += times.pop("parity_probe_s", 0.0)
         row = {"step": step, "policy_version": self.version, **times}
@@ -210,11 +233,20 @@ class LearnerJob:
             return {}
         prompts, responses = [p for p, _ in self.parity_set], [r for _, r in self.parity_set]
         eng = self.pool.logprobs_of.remote(prompts, responses).result(timeout_s=300)
-        ref = self.learner.call("logprobs", prompts, responses)
-        e, l = np.concatenate([np.asarray(x) for x in eng]), np.concatenate([np.asarray(x) for x in ref])
-        d = e - l
-        return {"gen_kl_error": float(np.mean(np.exp(d) - 1.0 - d)), "parity_max_abs_logprob_diff": float(np.abs(d).max()),
-                "parity_mean_abs_logprob_diff": float(np.abs(d).mean())}
+        return parity_stats(eng, self.learner.call("logprobs", prompts, responses))
+
+    def checked_parity(self) -> dict:
+        """:meth:`parity_probe`; on a failure push the weights once more and probe again, then give up."""
+        limit = self.recipe.logger.parity_max_gen_kl
+        stats = self.parity_probe()
+        try:
+            check_parity(stats, limit, self.version)
+        except ParityError as exc:
+            log.warning("%s; pushing the weights again", exc)
+            self.push_weights(reset=True)
+            stats = self.parity_probe()
+            check_parity(stats, limit, self.version)
+        return stats
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

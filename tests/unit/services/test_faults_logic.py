@@ -7,7 +7,7 @@ import pytest
 
 from protocol import ControlMessage, Trajectory, TrajectoryGroup, encode
 from services.buffer import TrajectoryBuffer
-from services.job import REFIT_ATTEMPTS, LearnerJob
+from services.job import REFIT_ATTEMPTS, LearnerJob, ParityError, check_parity, parity_stats
 from services.ledger import PromptLedger
 from services.pool import _refit_failure_reason
 from services.refit import CollectiveRefit, ObjectStoreRefit
@@ -173,3 +173,32 @@ def test_collective_refit_forms_the_group_once_and_again_after_a_failed_send():
         refit.push(reset=False)
     refit.push(reset=False)                                         # the next attempt re-forms the group
     assert pool.joined == 2 and refit.groups_formed == 2 and pool.received[-1] is True
+
+
+def test_parity_check_passes_close_logprobs_and_names_a_scrambled_engine():
+    learner = [[-1.0, -2.0, -0.5], [-3.0]]
+    close = parity_stats([[-1.0001, -2.0, -0.5], [-3.0002]], learner)
+    assert close["gen_kl_error"] < 1e-7
+    check_parity(close, 0.1, 4)
+    scrambled = parity_stats([[-4.0, -0.1, -3.5], [-0.2]], learner)  # e.g. gate/up halves swapped
+    with pytest.raises(ParityError, match=r"v4: gen KL .* > logger.parity_max_gen_kl 0.1"):
+        check_parity(scrambled, 0.1, 4)
+    with pytest.raises(ParityError):
+        check_parity({**close, "gen_kl_error": float("nan")}, 0.1, 4)
+
+
+@pytest.mark.parametrize("bad_probes,pushes,raises", [(0, 0, False), (1, 1, False), (2, 1, True)])
+def test_failed_parity_pushes_again_once_then_stops(bad_probes, pushes, raises):
+    job = LearnerJob.__new__(LearnerJob)
+    job.version = 2
+    job.recipe = type("R", (), {"logger": type("L", (), {"parity_max_gen_kl": 0.1})})
+    probes, pushed = iter([5.0] * bad_probes + [1e-6] * 2), []
+    job.parity_probe = lambda: {"gen_kl_error": next(probes), "parity_mean_abs_logprob_diff": 1.0,
+                                "parity_max_abs_logprob_diff": 2.0}
+    job.push_weights = lambda reset=False: pushed.append(reset)
+    if raises:
+        with pytest.raises(ParityError):
+            job.checked_parity()
+    else:
+        assert job.checked_parity()["gen_kl_error"] == 1e-6
+    assert pushed == [True] * pushes
