@@ -12,9 +12,11 @@ started engine, one after another:
 
 tok/s = generated tokens / wall time of one full batch, best of ``--repeats``
 after one warm-up batch. Prints a table and the ratio rollout_engine / llm,
-and writes ``bench/results/rollout_throughput_cpu.json``.
+and writes ``bench/results/rollout_throughput_<device>[_eager].json``.
 
 Run: ``VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/rollout_throughput.py [--eager]``
+On a GPU: ``python bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 --max-tokens 256 [--eager]``
+(bf16, CUDA graphs unless ``--eager``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from rollout.rewards import get_reward_fn  # noqa: E402
 from rollout.tasks import make_prompts  # noqa: E402
 from services.tiny_model import make_tiny_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "rollout_throughput_cpu.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_MODEL_LEN = 512
 
 
@@ -140,6 +142,14 @@ def bench_rollout_engine(args, model_dir: str, generation: GenerationConfig, pro
     return asyncio.run(main())
 
 
+def _gpu_name() -> str:
+    """'h200' for an NVIDIA H200, from nvidia-smi (torch.cuda.get_device_name would create a CUDA context)."""
+    import subprocess
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+    return name.split()[-1].lower() if name else "gpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -148,10 +158,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: torch.compile)")
     ap.add_argument("--variants", default="llm,async_delta,async_final,rollout_engine")
+    ap.add_argument("--size", default="tiny", help="services.tiny_model size (0.6b on a GPU)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = ap.parse_args()
 
-    model_dir = str(make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), seed=0))
-    vllm_cfg = VllmConfig(enforce_eager=args.eager, precision="float32", seed=0)
+    import torch
+    on_gpu = torch.cuda.is_available()  # only asks the driver: no CUDA context before the engines start
+    precision = "bfloat16" if on_gpu else "float32"
+    device = _gpu_name() if on_gpu else "cpu"
+    results_path = RESULTS_DIR / f"rollout_throughput_{device}{'_eager' if args.eager and on_gpu else ''}.json"
+    model_dir = str(make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), seed=0, size=args.size,
+                                    dtype=precision))
+    vllm_cfg = VllmConfig(enforce_eager=args.eager, precision=precision, seed=0,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     generation = GenerationConfig(max_new_tokens=args.max_tokens, vllm_cfg=vllm_cfg)
     options = build_engine_options(vllm_cfg, model_dir, MAX_MODEL_LEN)
     os.environ.update(options.env)
@@ -180,13 +199,14 @@ def main() -> None:
     ratio = results["rollout_engine"]["tok_per_s"] / base if base and "rollout_engine" in results else None
     if ratio is not None:
         print(f"\nrollout_engine / llm = {ratio:.2f} (goal >= 0.95)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps({
         "workload": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
-                     "repeats": args.repeats, "enforce_eager": args.eager, "model": "tiny qwen2 float32"},
+                     "repeats": args.repeats, "enforce_eager": args.eager,
+                     "model": f"random qwen2 ({args.size}) {precision}", "device": device},
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
         "results": results, "rollout_engine_over_llm": ratio}, indent=2))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {results_path}")
 
 
 if __name__ == "__main__":  # required: vLLM spawns its worker processes

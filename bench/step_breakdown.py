@@ -37,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=None)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/step_breakdown_<device>.json)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -60,7 +61,9 @@ def main() -> None:
             rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
             results[mode] = {k: warm_mean(rows, k) for k in KEYS}
             results[mode]["reward_mean"] = warm_mean(rows, "reward_mean")
-            results[mode]["trajectory_age_mean"] = warm_mean(rows, "trajectory_age_mean")
+            for key in ("trajectory_age_mean", "refit_bytes", "refit_pause_s", "gen_kl_error",
+                        "parity_max_abs_logprob_diff"):
+                results[mode][key] = warm_mean(rows, key)
     finally:
         pool_api.shutdown(recipes["async"].rollout_pool.name)
         ray_runtime.shutdown()
@@ -73,6 +76,10 @@ def main() -> None:
     print(f"\n{'mode':6} | " + " | ".join(f"{k:>20}" for k in KEYS))
     for mode in ("sync", "async"):
         print(f"{mode:6} | " + " | ".join(f"{results[mode][k]:20.3f}" for k in KEYS))
+    for mode in ("sync", "async"):
+        r = results[mode]
+        print(f"{mode}: refit {r['refit_bytes'] / 1e9:.2f} GB in {r['refit_s']:.3f} s, generation pause "
+              f"{r['refit_pause_s'] * 1e3:.0f} ms, gen KL {r['gen_kl_error']:.2e}")
     print(f"\nasync speed-up over sync: {speedup:.2f}x; overlap efficiency max(gen, train)/async step = "
           f"{overlap:.3f} (goal >= 0.95)")
     device = "cpu"
@@ -82,7 +89,7 @@ def main() -> None:
             device = torch.cuda.get_device_name(0).replace(" ", "_").lower()
     except Exception:  # noqa: BLE001
         pass
-    out = Path(__file__).resolve().parent / "results" / f"step_breakdown_{device}.json"
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"step_breakdown_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "host": platform.node(),
                                "device": device, "results": results, "async_speedup": speedup,

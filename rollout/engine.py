@@ -195,7 +195,8 @@ class RolloutEngine:
         self.stream_version_labels = not self._engine_labels
         logger.info("rollout engine %s: per-token weight versions from %s", self.engine_id,
                     "the engine's labels" if self._engine_labels else "streamed outputs (no engine labels)")
-        self._options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len)
+        self._options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len,
+                                             colocated=self.generation.colocated.enabled)
         for line in self._options.describe():
             logger.info("rollout engine %s: %s", self.engine_id, line)
         for ignored in self._options.ignored:

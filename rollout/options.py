@@ -124,8 +124,9 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...] | None, version
 
 
 def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
-                         caps: VllmCapabilities | None = None) -> EngineOptions:
-    """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM)."""
+                         caps: VllmCapabilities | None = None, colocated: bool = False) -> EngineOptions:
+    """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``colocated`` engines
+    sleep while the learner trains, which needs vLLM's sleep mode on GPU."""
     caps = caps or probe_vllm()
     on_cpu = caps.platform == "cpu"
     args: dict[str, Any] = dict(model=model_path, tokenizer=model_path, max_model_len=max_model_len,
@@ -143,7 +144,8 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
                "all2all_backend": "all2all_backend", "gpu_memory_utilization": "gpu_memory_utilization",
                "compilation_config": "enforce_eager", "enforce_eager": "enforce_eager",
                "max_num_seqs": "max_num_seqs", "enable_prefix_caching": "enable_prefix_caching",
-               "seed": "seed", "dtype": "precision", "worker_extension_cls": "worker_extension_cls"}
+               "seed": "seed", "dtype": "precision", "worker_extension_cls": "worker_extension_cls",
+               "enable_sleep_mode": "enable_sleep_mode"}
 
     if on_cpu:
         applied["enforce_eager"] = (f"enforce_eager={cfg.enforce_eager}"
@@ -199,6 +201,9 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             applied["all2all_backend"] = f"all2all_backend={cfg.all2all_backend!r} (ParallelConfig.all2all_backend)"
         ignored.append(IgnoredOption("cpu_kvcache_space_gib", cfg.cpu_kvcache_space_gib,
                                      "the GPU KV cache is sized by gpu_memory_utilization"))
+        if colocated:
+            args["enable_sleep_mode"] = True
+            platform_args.append("enable_sleep_mode=True (colocated: the engine sleeps while the learner trains)")
 
     for name in args:
         if name not in caps.engine_arg_names:

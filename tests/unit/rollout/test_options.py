@@ -12,7 +12,8 @@ from rollout.options import (CUDA_GRAPH_MODE, WORKER_EXTENSION, EngineOptionErro
 ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
                   "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
                   "gpu_memory_utilization", "compilation_config", "enable_expert_parallel", "moe_backend",
-                  "all2all_backend", "enable_chunked_prefill", "worker_extension_cls"})
+                  "all2all_backend", "enable_chunked_prefill", "worker_extension_cls",
+                  "enable_sleep_mode"})
 GPU = VllmCapabilities("0.25.1", "cuda", ARGS, ("auto", "triton", "flashinfer_cutlass"),
                        ("allgather_reducescatter", "flashinfer_nvlink_one_sided"), ("NONE", CUDA_GRAPH_MODE))
 CPU = dataclasses.replace(GPU, version="0.32.0", platform="cpu")
@@ -32,6 +33,12 @@ def test_gpu_recipe_maps_every_option():
     assert opts.env == {}
     assert [i.key for i in opts.ignored] == ["cpu_kvcache_space_gib"]
     assert "moe_backend='flashinfer_cutlass' (KernelConfig.moe_backend)" in opts.applied["moe_backend"]
+
+
+def test_colocated_engines_get_sleep_mode_on_gpu_only():
+    assert build_engine_options(GPU_RECIPE, "/m", 4096, GPU, colocated=True).engine_args["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in build_engine_options(GPU_RECIPE, "/m", 4096, GPU).engine_args
+    assert "enable_sleep_mode" not in build_engine_options(GPU_RECIPE, "/m", 512, CPU, colocated=True).engine_args
 
 
 def test_gpu_only_options_are_ignored_on_cpu_with_a_message():

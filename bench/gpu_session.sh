@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, in two phases of at most 10 minutes each (one `device` call
+# each, on 2 x H200, after the bundle is installed: docs/gpu.md). Results and logs go to $OUT (default
+# bench/results/gpu_session).
+#
+#   bash bench/gpu_session.sh A   # sync vs async step breakdown with the collective (NCCL) refit, dense 0.6B;
+#                                 # then a short async run of a small MoE (FlashInfer CUTLASS) through the loop
+#   bash bench/gpu_session.sh B   # GPU 0: 1-GPU colocated sync run (sleep/wake), then the vLLM start matrix;
+#                                 # GPU 1: MoE parity test (reload vs plain load), then rollout throughput
+set -u
+PHASE=${1:?phase A or B}
+OUT=${OUT:-bench/results/gpu_session}
+mkdir -p "$OUT" models
+export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
+export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+start=$(date +%s)
+left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
+step() {  # step NAME SECONDS CMD...: run CMD with a deadline, log to $OUT/NAME.log, report the outcome
+  local name=$1 secs=$2; shift 2
+  local cap; cap=$(left); [ "$secs" -gt "$cap" ] && secs=$cap
+  if [ "$secs" -le 20 ]; then echo "[$name] skipped: no time left"; return 0; fi
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s (limit $secs s)"
+  tail -n 25 "$OUT/$name.log" | cut -c1-400
+}
+dense=models/qwen3-0.6b-random
+moe=models/qwen3moe-small-random
+[ -d $dense ] || $PY -m services.cli make-tiny-model $dense --arch qwen2 --size 0.6b --dtype bfloat16 > /dev/null
+[ -d $moe ] || $PY -m services.cli make-tiny-model $moe --arch qwen3_moe --size small --dtype bfloat16 > /dev/null
+SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
+
+case $PHASE in
+A)
+  step step_breakdown 420 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+    --out "$OUT/step_breakdown_h200x2_collective.json" policy.model_name=$dense $SHAPE \
+    policy.refit_transport=collective
+  step moe_async_loop 240 $PY -m services.cli run --recipe recipes/gpu-2xh200-async.yaml --steps 3 \
+    --run-dir "$OUT/moe_async" policy.model_name=$moe $SHAPE policy.refit_transport=collective \
+    policy.generation.vllm_cfg.moe_backend=flashinfer_cutlass logger.tensorboard_enabled=false \
+    checkpointing.enabled=false
+  ;;
+B)
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    step colocated_sync 300 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 4 \
+      --run-dir "$OUT/colocated_sync" policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false \
+      checkpointing.enabled=false
+    step start_matrix 250 $PY bench/vllm_start_matrix.py --gpus 0,0 --deadline-s 60
+  ) > "$OUT/track0.txt" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    step moe_parity_test 210 $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
+      -p no:cacheprovider
+    step throughput_graphs 180 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
+      --max-tokens 256 --repeats 1 --variants llm,rollout_engine
+    step throughput_eager 160 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
+      --max-tokens 256 --repeats 1 --variants llm,rollout_engine --eager
+  ) > "$OUT/track1.txt" 2>&1 &
+  wait
+  cat "$OUT/track0.txt" "$OUT/track1.txt"
+  ;;
+esac
+cp bench/results/*.json "$OUT/" 2>/dev/null
+echo "phase $PHASE done in $(( $(date +%s) - start )) s"
