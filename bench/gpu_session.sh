@@ -7,6 +7,8 @@
 #                                 # then a short async run of a small MoE (FlashInfer CUTLASS) through the loop
 #   bash bench/gpu_session.sh B   # GPU 0: 1-GPU colocated sync run (sleep/wake), then the vLLM start matrix;
 #                                 # GPU 1: MoE parity test (reload vs plain load), then rollout throughput
+#   bash bench/gpu_session.sh C   # the MoE parity test (GPU 0) beside one start-matrix case (GPU 1), then the
+#                                 # step breakdown of A again
 set -u
 PHASE=${1:?phase A or B}
 OUT=${OUT:-bench/results/gpu_session}
@@ -62,6 +64,18 @@ B)
   wait
   cat "$OUT/track0.txt" "$OUT/track1.txt"
   ;;
+C)
+  CUDA_VISIBLE_DEVICES=0 step moe_parity_test 200 $PY -m pytest -m gpu -x -q -s \
+    tests/integration/services/test_gpu_moe_parity.py -p no:cacheprovider > "$OUT/track0.txt" 2>&1 &
+  step start_case 90 $PY bench/vllm_start_matrix.py --gpus 1 --deadline-s 75 --cases 0,0,0 > "$OUT/track1.txt" 2>&1
+  wait
+  cat "$OUT/track0.txt" "$OUT/track1.txt"
+  step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+    --out "$OUT/step_breakdown_h200x2_collective.json" policy.model_name=$dense $SHAPE \
+    policy.refit_transport=collective
+  ;;
 esac
+
 cp bench/results/*.json "$OUT/" 2>/dev/null
+tar czf "$OUT.tgz" "$OUT" 2>/dev/null && rm -rf "$OUT"  # one file comes back, whatever the count
 echo "phase $PHASE done in $(( $(date +%s) - start )) s"

@@ -69,11 +69,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", default="0")
     ap.add_argument("--deadline-s", type=float, default=150.0)
+    ap.add_argument("--cases", default=None, help="only these MP,V2,parent_cuda triples, e.g. 0,0,0;1,0,1")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from services.tiny_model import make_tiny_model
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen2", size="tiny", dtype="bfloat16"))
     combos = list(itertools.product((0, 1), (0, 1), (0, 1)))
+    if args.cases:
+        combos = [tuple(int(x) for x in c.split(",")) for c in args.cases.split(";")]
     gpus: Queue = Queue()
     for g in args.gpus.split(","):
         gpus.put(g)
@@ -94,7 +97,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['multiprocessing']:>3}{r['v2_model_runner']:>4}{r['parent_cuda_context']:>13}  "
               f"{r['outcome']:<14}{r['seconds']:>8.1f}  {r.get('start_s', float('nan')):>7.1f}")
-    out = ROOT / "bench" / "results" / "vllm_start_matrix_h200.json"
+    out = ROOT / "bench" / "results" / f"vllm_start_matrix_h200{'_cases' if args.cases else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"deadline_s": args.deadline_s, "runs": rows}, indent=2))
     print(f"wrote {out}")

@@ -40,6 +40,7 @@ watchdog aborts the communicator) rather than hang.
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from typing import Sequence
 
@@ -228,6 +229,14 @@ class WeightTransferGroup:
                                       f"{len(bad)} of {len(sizes)} buckets differ from what was sent: {bad[:8]}")
         return _manifest(int(layout["version"]), specs, sizes, sent), buckets
 
-    def close(self) -> None:
-        """Tear the process group down (the store closes with the object)."""
-        self._pg.shutdown()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort the communicator without waiting for the peers (they may be dead: a graceful NCCL
+        shutdown then waits for them forever, measured), at most ``timeout_s``; the store closes with
+        the object."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        stop = getattr(pg, "abort", None) or pg.shutdown
+        t = threading.Thread(target=stop, name="weight-group-close", daemon=True)
+        t.start()
+        t.join(timeout_s)

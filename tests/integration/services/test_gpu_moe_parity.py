@@ -42,6 +42,7 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
     from services.tiny_model import make_tiny_model
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test send the wrong loader to the worker
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"   # pytest's process has touched CUDA: no fork
     model_dir = str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", size="small", dtype="bfloat16"))
     backend = os.environ.get("INFLIGHT_TEST_MOE_BACKEND", "flashinfer_cutlass")
     generation = GenerationConfig(max_new_tokens=48, request_timeout_s=300.0, max_retries=0,
