@@ -82,14 +82,14 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 448, seed: int
     return fast
 
 
-def _config(arch: str, vocab: int, size: str, tok, max_positions: int):
+def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std: float | None = None):
     import transformers as tf
 
     dims = dict(SIZES[size])
     common = dict(vocab_size=vocab, hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
                   num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
                   max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=False,
-                  initializer_range=0.2 if size == "tiny" else 0.02, eos_token_id=tok.eos_token_id,
+                  initializer_range=init_std or (0.2 if size == "tiny" else 0.02), eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id, bos_token_id=None, rms_norm_eps=1e-6)
     if arch == "qwen2":
         cfg = tf.Qwen2Config(intermediate_size=dims["intermediate_size"], use_sliding_window=False, **common)
@@ -111,11 +111,15 @@ def _config(arch: str, vocab: int, size: str, tok, max_positions: int):
 
 
 def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen2", size: str = "tiny",
-                    dtype: str = "float32", max_positions: int = 2048, tokenizer_from: str | None = None) -> Path:
+                    dtype: str = "float32", max_positions: int = 2048, tokenizer_from: str | None = None,
+                    init_std: float | None = None) -> Path:
     """Write a random-init model + tokenizer to ``out_dir`` and return it.
 
     ``tokenizer_from`` reuses the tokenizer of another tiny model (so two
-    models with different seeds share token ids)."""
+    models with different seeds share token ids). ``init_std`` overrides the
+    weights' init scale (0.2 for ``tiny``, 0.02 otherwise): with 0.02 the
+    outputs are close to uniform, so even scrambled weights barely move the
+    log-probs; 0.2 gives peaked outputs, like a trained model's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,7 +136,9 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen
         build_tokenizer(out, seed=0)
         tok = AutoTokenizer.from_pretrained(str(out))
     vocab = ((len(tok) + 63) // 64) * 64
-    cfg = _config(arch, vocab, size, tok, max_positions)
+    if init_std is not None and not init_std > 0:
+        raise ValueError(f"init_std: expected > 0, got {init_std}")
+    cfg = _config(arch, vocab, size, tok, max_positions, init_std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = tok.eos_token_id

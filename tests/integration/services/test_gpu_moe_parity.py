@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-MAX_GEN_KL = 0.1  # the recipe default of logger.parity_max_gen_kl
+MAX_GEN_KL = 0.01  # the recipe default of logger.parity_max_gen_kl
 
 
 def _plain_load_weights(weights):
@@ -43,7 +43,10 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test send the wrong loader to the worker
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"   # pytest's process has touched CUDA: no fork
-    model_dir = str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", size="small", dtype="bfloat16"))
+    # init_std 0.2: peaked outputs, like a trained model's. Measured on H200 with the default 0.02 (near-uniform
+    # outputs): reload_weights gen KL 2.6e-6, plain load_weights 3.0e-4 -- scrambled, yet under any sane limit.
+    model_dir = str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", size="small", dtype="bfloat16",
+                                    init_std=0.2))
     backend = os.environ.get("INFLIGHT_TEST_MOE_BACKEND", "flashinfer_cutlass")
     generation = GenerationConfig(max_new_tokens=48, request_timeout_s=300.0, max_retries=0,
                                   vllm_cfg=VllmConfig(enforce_eager=False, precision="bfloat16", seed=0,
