@@ -317,10 +317,10 @@ class RolloutPool:
 
     async def take_undelivered(self, learner_id: str) -> list[dict]:
         """Prompts the engines could not deliver to ``learner_id``'s channel since the last call (each
-        ``{"prompt_id", "scheduled_step", "reason", "engine_id"}``); the learner drops and replaces them."""
+        ``{"prompt_id", "scheduled_step", "reason", "engine_id"}``); the learner drops and replaces them.
+        Nothing is kept for a learner that is not attached (detaching clears them)."""
         if not self.learner or self.learner["id"] != learner_id:
-            raise RuntimeError(f"pool {self.name!r}: learner {learner_id!r} is not attached "
-                               f"(attached: {(self.learner or {}).get('id')!r})")
+            return []
         out, self._undelivered = self._undelivered, []
         return out
 
