@@ -80,6 +80,10 @@ class PolicyConfig(ConfigModel):
     from its device to every engine worker over one NCCL group (gloo on CPU), received in the vLLM workers
     while they keep generating and checked on the device; a restarted engine rejoins at the next push.
     Needs the learner and the engines on their own devices (not colocated)."""
+    refit_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """Deadline of one weight push, for fetching its buckets and again for installing them on the engines; a push
+    that misses it is rejected as a whole (the old version keeps serving). Separate from the per-sample
+    ``generation.request_timeout_s``, which may be far shorter than a reload."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """Sampling and engines."""
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -138,6 +142,11 @@ class RolloutPoolConfig(ConfigModel):
     """Environment variable holding the bearer token for admin endpoints (pause, resume, drain)."""
     max_inflight_groups: int = Field(256, ge=1)
     """Backpressure: groups generated but not yet taken by the learner."""
+    channel_send_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Longest an engine waits for room in the learner's trajectory channel (full: the learner is not reading)
+    before it gives the message up: counted in ``inflight_channel_send_failures``, its prompt reported to the
+    learner as undelivered (dropped with a reason, replaced); the engine goes on serving. Must be
+    < ``policy.generation.request_timeout_s``."""
     learner_gpus: int | None = Field(None, ge=0)
     """GPUs of the learner job when not colocated; default: the rest of the cluster."""
 
@@ -200,6 +209,10 @@ class Recipe(ConfigModel):
         if p.sequence_packing.enabled and p.sequence_packing.train_mb_tokens < p.max_total_sequence_length:
             raise ValueError(f"policy.sequence_packing.train_mb_tokens ({p.sequence_packing.train_mb_tokens}) must "
                              f"be >= policy.max_total_sequence_length ({p.max_total_sequence_length})")
+        if self.rollout_pool.channel_send_timeout_s >= g.request_timeout_s:
+            raise ValueError(f"rollout_pool.channel_send_timeout_s ({self.rollout_pool.channel_send_timeout_s:g}) must "
+                             f"be < policy.generation.request_timeout_s ({g.request_timeout_s:g}): an engine must "
+                             f"not wait on a learner that stopped reading longer than on a sample")
         a = self.grpo.async_grpo
         if a.enabled and g.colocated.enabled:
             raise ValueError("grpo.async_grpo.enabled requires policy.generation.colocated.enabled=false "

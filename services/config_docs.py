@@ -36,6 +36,7 @@ RULES = """
 - `grpo.async_grpo.enabled` requires `policy.generation.colocated.enabled: false` and
   `loss_fn.use_importance_sampling_correction: true`
 - `policy.generation.vllm_cfg.max_model_len >= policy.max_total_sequence_length` when set
+- `rollout_pool.channel_send_timeout_s < policy.generation.request_timeout_s`
 - with GPUs (`cluster.gpus_per_node > 0`): colocated pools fit in the cluster; otherwise learner GPUs +
   `rollout_pool.num_engines` x GPUs per engine = `num_nodes x gpus_per_node`; learner GPUs divisible by
   TP x PP; `expert_model_parallel_size` divides DP x TP; vLLM `expert_parallel_size` <= GPUs per engine

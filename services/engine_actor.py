@@ -4,12 +4,20 @@ The pool creates ``num_engines`` of these (named, detached, restarted by Ray
 if their process dies). ``generate`` runs a batch of prompts: each finished
 group is encoded with the protocol codec and sent into the learner's
 trajectory channel as soon as it completes, and the call itself returns only
-when every prompt of the batch has been delivered. The pool keeps the call's
+when every prompt of the batch has been delivered or given up on. The pool keeps the call's
 reference as the batch's completion signal: if this actor's process dies the
 reference fails with ``RayActorError`` and the pool re-queues the batch. A
 prompt whose generation fails entirely is reported on the same channel as a
 ``ControlMessage(action="error")`` naming the prompt, so the learner can
 account for it (invariant 3: trained once, or dropped with a reason).
+
+A send waits at most ``rollout_pool.channel_send_timeout_s`` for room in the
+channel (a learner that stopped reading fills it). A message that cannot be
+delivered is counted (``channel_send_failures``) and its prompt is returned
+to the pool in ``generate``'s answer as *undelivered*, with the reason; the
+pool hands those to the learner (``take_undelivered``), which drops them with
+reason ``undelivered`` and schedules replacements. The engine itself goes on
+serving.
 """
 from __future__ import annotations
 
@@ -53,22 +61,27 @@ class EngineActor:
         return {"engine_id": self.engine_id, "ok": self._started, "version": self.engine.version,
                 "running_batches": len(self._tasks), "pid": self.pid}
 
-    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> int:
-        """Generate one group per prompt, streaming each into ``channel``; returns the number of prompts
-        once all of them have been delivered (as a group or an error report)."""
+    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> dict:
+        """Generate one group per prompt, streaming each into ``channel``; returns once every prompt has been
+        delivered (as a group or an error report) or given up on: ``{"prompts": n, "undelivered": [{"prompt_id",
+        "scheduled_step", "reason"}, ...]}`` (prompts whose message the channel did not take in time)."""
         requests = [decode(b, expect=PromptRequest) for b in prompt_bytes]
         task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        await task
-        return len(requests)
+        undelivered = await task
+        return {"prompts": len(requests), "undelivered": undelivered}
 
-    async def _run(self, requests: list[PromptRequest], group_size: int, channel) -> None:
+    async def _run(self, requests: list[PromptRequest], group_size: int, channel) -> list[dict]:
         pending = {r.prompt_id: r for r in requests}
+        undelivered: list[dict] = []
         try:
             async for group in self.engine.generate(requests, group_size):
                 pending.pop(group.prompt_id, None)
-                await self._send(channel, encode(group))
+                failure = await self._send(channel, encode(group))
+                if failure:
+                    undelivered.append({"prompt_id": group.prompt_id, "scheduled_step": group.scheduled_step,
+                                        "reason": failure})
         except Exception as exc:  # noqa: BLE001 - reported per prompt below
             log.exception("engine %s: generation failed", self.engine_id)
             for pid, req in pending.items():
@@ -76,14 +89,22 @@ class EngineActor:
                                               "engine_id": self.engine_id,
                                               "reason": f"generation failed: {type(exc).__name__}: {exc}"[:500]},
                                      time.time())
-                await self._send(channel, encode(msg))
+                failure = await self._send(channel, encode(msg))
+                if failure:
+                    undelivered.append({"prompt_id": pid, "scheduled_step": req.scheduled_step,
+                                        "reason": f"{msg.payload['reason']}; then {failure}"[:500]})
+        return undelivered
 
-    async def _send(self, channel, data: bytes) -> None:
+    async def _send(self, channel, data: bytes) -> str:
+        """Send one message; '' if it was delivered, else the reason it was not (counted, never raised)."""
         try:
             await channel.send_async(data, self.channel_timeout_s)
-        except Exception:  # noqa: BLE001 - the learner accounts for what never arrives
+            return ""
+        except Exception as exc:  # noqa: BLE001 - reported to the pool as undelivered; the engine goes on
             self._send_failures += 1
-            log.warning("engine %s: could not deliver a message to channel %s", self.engine_id, channel.name)
+            log.warning("engine %s: could not deliver a message to channel %s: %s", self.engine_id, channel.name,
+                        exc)
+            return f"channel send failed: {type(exc).__name__}: {exc}"[:300]
 
     async def apply_weights(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:
         manifest = decode(manifest_bytes, expect=WeightManifest)

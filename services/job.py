@@ -9,7 +9,10 @@ like the algorithm; this class holds the machinery behind each line:
   good groups for ``step`` are buffered (stale / failed ones are dropped,
   counted, and replaced by fresh prompts; a second group for a prompt that
   is buffered or finished — the pool re-queues a dead engine's prompts — is
-  counted as ``duplicate`` and ignored), bounded by a deadline;
+  counted as ``duplicate`` and ignored; prompts the pool reports as
+  undelivered — an engine found the channel full for
+  ``rollout_pool.channel_send_timeout_s`` — are dropped as ``undelivered`` and
+  replaced), bounded by a deadline;
 - ``train(groups)``   one optimizer step on the learner ranks;
 - ``push_weights()``  move the learner's weights to every engine (in flight: the
   engines keep generating) by the recipe's transport (:mod:`services.refit`),
@@ -39,6 +42,8 @@ from services.run_log import RunLog
 
 log = logging.getLogger("inflight.job")
 REFIT_ATTEMPTS = 3
+UNDELIVERED_POLL_S = 5.0
+"""How often ``collect`` asks the pool for prompts its engines could not deliver to this job's channel."""
 
 
 class StepTimeout(TimeoutError):
@@ -112,6 +117,7 @@ class LearnerJob:
         self.open_requests: dict[str, PromptRequest] = {}
         self.buffer = TrajectoryBuffer(max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0)
         self.rejected: dict[str, int] = {}
+        self.last_sample_error = ""  # why a sample of the last group dropped for too few valid samples failed
         self.parity_set: list[tuple[list[int], list[int]]] = []
         self.step = 0
         self.version = int(learner.call("version"))
@@ -155,19 +161,44 @@ class LearnerJob:
 
     def collect(self, step: int) -> list:
         deadline = time.monotonic() + self.collect_timeout_s
+        next_poll = time.monotonic()  # at once, then every UNDELIVERED_POLL_S
         while True:
+            if time.monotonic() >= next_poll:
+                self.drop_undelivered()
+                next_poll = time.monotonic() + UNDELIVERED_POLL_S
             for group, reason in self.buffer.screen(step, self.version):
+                if reason == "too_few_valid_samples":
+                    self.last_sample_error = next((t.error for t in group.trajectories if t.error),
+                                                  self.last_sample_error)
                 self._drop(group.prompt_id, reason, replace_for=step)
             if self.buffer.ready(step) >= self.n_per_step:
                 return self.buffer.take(step, self.n_per_step)
             left = deadline - time.monotonic()
             if left <= 0:
+                dropped = self.ledger.summary()["dropped_by_reason"]
                 raise StepTimeout(f"pool {self.recipe.rollout_pool.name!r}: only {self.buffer.ready(step)}/"
-                                  f"{self.n_per_step} groups for step {step} after {self.collect_timeout_s:.0f} s")
+                                  f"{self.n_per_step} groups for step {step} after {self.collect_timeout_s:.0f} s "
+                                  f"(prompts dropped so far, by reason: {dropped or 'none'}; "
+                                  f"{len(self.ledger.pending())} still pending"
+                                  + (f"; last failed sample: {self.last_sample_error}" if self.last_sample_error
+                                     else "") + ")")
             try:
                 self._receive(self.channel.recv(min(left, 5.0)))
             except ChannelTimeout:
                 self.refit.serve_waiting_engines()  # a restarted engine may be waiting for our weights
+
+    def drop_undelivered(self) -> int:
+        """Drop (reason ``undelivered``) and replace the open prompts whose groups the pool's engines could not
+        put into this job's channel; returns how many were dropped."""
+        dropped = 0
+        for u in self.pool.take_undelivered.remote(self.id).result(timeout_s=60):
+            pid = str(u["prompt_id"])
+            if self.ledger.is_open(pid) and not self.buffer.holds(pid):
+                log.warning("prompt %s (step %s) was not delivered by engine %s: %s", pid, u["scheduled_step"],
+                            u.get("engine_id"), u["reason"])
+                self._drop(pid, "undelivered", replace_for=int(u["scheduled_step"]))
+                dropped += 1
+        return dropped
 
     def train(self, buffered: list) -> dict:
         import ray

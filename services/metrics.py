@@ -35,6 +35,10 @@ class PoolMetrics:
                                 ["reason"], registry=r)
         self.requeued_prompts = Counter("inflight_requeued_prompts", "Prompts re-sent after their engine died",
                                         registry=r)
+        self.channel_send_failures = Counter(
+            "inflight_channel_send_failures",
+            "Groups an engine could not put into the learner's channel within rollout_pool.channel_send_timeout_s "
+            "(their prompts are reported to the learner as undelivered)", registry=r)
         self.engine_up = Gauge("inflight_engine_up", "1 if the engine answers its health check", ["engine"],
                                registry=r)
         self.learner_attached = Gauge("inflight_learner_attached", "1 while a learner job is attached", registry=r)

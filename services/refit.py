@@ -38,7 +38,8 @@ class ObjectStoreRefit:
     def __init__(self, recipe, pool, learner):
         self.pool, self.learner = pool, learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
-        self.timeout_s = recipe.policy.generation.request_timeout_s + 60
+        # the pool waits up to refit_timeout_s for an engine, again for the buckets, again for the engines
+        self.timeout_s = 3 * recipe.policy.refit_timeout_s + 60
 
     def push(self, reset: bool) -> dict:
         manifest, refs = self.learner.call("export_weights", self.bucket_bytes)
@@ -55,7 +56,7 @@ class CollectiveRefit:
     def __init__(self, recipe, pool, learner):
         self.pool, self.learner = pool, learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
-        self.timeout_s = recipe.policy.generation.request_timeout_s
+        self.timeout_s = recipe.policy.refit_timeout_s
         self.groups_formed = 0
         self._group_ok = False
 

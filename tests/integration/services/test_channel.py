@@ -4,7 +4,7 @@ A ``Sender`` actor stands in for a rollout engine (async, calls
 ``send_async`` like ``services.engine_actor``); the test process is the
 receiver, as the learner job is. Covered: byte-exact ordered round trip of
 real encoded groups, backpressure, bounded waits on empty / full / closed
-channels, messages lost when their sender dies, and 20 attach/detach cycles
+channels, messages of a dead sender still delivered, and 20 attach/detach cycles
 (normal, sender killed mid-stream, channel closed under a blocked sender)
 leaving no actor processes and no ``/dev/shm`` entries behind.
 """
@@ -26,7 +26,7 @@ PROMPT_TOKENS = 256
 VOCAB = 151936
 WAIT_S = 30.0  # bound on waits that are expected to succeed
 SLACK_S = 3.0  # allowed lateness of a timeout on this loaded 2-core machine
-ORPHAN_SETTLE_S = 6.0  # time for Ray to act on a dead owner (measured: lost after 8 s, not yet right away)
+ORPHAN_SETTLE_S = 10.0  # longer than Ray takes to act on a dead owner (measured ~8 s: a queue of object refs lost them)
 
 
 def encoded_group(index: int, response_tokens: int) -> bytes:
@@ -75,7 +75,7 @@ def test_round_trip_bytes_order_and_decode(ray_cluster):
         groups = [decode(r, expect=TrajectoryGroup) for r in received]
         assert [g.group_id for g in groups] == [f"group-{i}" for i in range(10)]
         assert groups[0].trajectories[0].response_ids.size == 4096
-        assert channel.size() == 0 and channel.lost == 0
+        assert channel.size() == 0
     finally:
         channel.close()
         ray.kill(sender)
@@ -140,9 +140,9 @@ def test_closed_channel_raises_channel_closed(ray_cluster):
         ray.kill(sender)
 
 
-def test_messages_of_a_dead_sender_arrive_intact_or_are_counted_lost(ray_cluster):
-    """Queued messages are owned by their sender: once Ray has noticed its death (asynchronously,
-    ~seconds) they are gone. recv skips them and counts them; it never fails or returns garbage."""
+def test_messages_of_a_dead_sender_arrive_intact(ray_cluster):
+    """Queued messages live in the queue actor (by value), not with their sender: after the sender is
+    killed and Ray has had time to act on its death, every message it had sent is still read, intact."""
     channel = TrajectoryChannel.create("orphans", maxsize=8)
     sender = Sender.remote()
     orphans = [encoded_group(i, 4096) for i in range(3)]
@@ -156,9 +156,7 @@ def test_messages_of_a_dead_sender_arrive_intact_or_are_counted_lost(ray_cluster
         received = [channel.recv(WAIT_S)]
         while received[-1] != later:
             received.append(channel.recv(WAIT_S))
-        assert received[:-1] == orphans[len(orphans) - len(received) + 1:] if len(received) > 1 else True
-        assert len(received) - 1 + channel.lost == len(orphans), (len(received), channel.lost)
-        assert channel.lost > 0, "expected Ray to have dropped the dead sender's objects by now"
+        assert received[:-1] == orphans, "a dead sender's messages were lost or changed"
     finally:
         channel.close()
 
@@ -220,7 +218,7 @@ def run_cycle(index: int, sender, kind: str, payload: bytes, n: int = 6):
             assert [channel.recv(WAIT_S) for _ in range(2)] == [payload] * 2
             ray.kill(sender)  # mid-stream: the queue holds messages it owned
             wait_for(lambda: not ray_actor_alive(sender), WAIT_S, "the killed sender to die")
-            assert all(m == payload for m in channel.drain())  # lost ones are skipped and counted
+            assert all(m == payload for m in channel.drain())  # what it had sent is still there
             sender = Sender.remote()  # the pool replaces its engine
         elif kind == "closed_while_blocked":
             task = sender.send_forever.remote(channel, payload, 60.0)

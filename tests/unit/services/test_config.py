@@ -50,6 +50,8 @@ def test_overrides_are_typed_and_applied():
     ("policy.megatron_cfg.optimizer.lr=fast", "policy.megatron_cfg.optimizer.lr", "valid number"),
     ("loss_fn.ratio_clip_min=2", "loss_fn.ratio_clip_min", "less than or equal to 1"),
     ("policy.generation.temperature=0", "policy.generation", "temperature > 0"),
+    ("rollout_pool.channel_send_timeout_s=0", "rollout_pool.channel_send_timeout_s", "greater than 0"),
+    ("rollout_pool.channel_send_timeout_s=soon", "rollout_pool.channel_send_timeout_s", "valid number"),
 ])
 def test_bad_values_name_the_key(override, path, words):
     with pytest.raises(RecipeError) as err:
@@ -64,6 +66,8 @@ def test_bad_values_name_the_key(override, path, words):
     (["policy.generation.colocated.enabled=true"], "requires policy.generation.colocated.enabled=false"),
     (["loss_fn.use_importance_sampling_correction=false"], "requires loss_fn.use_importance_sampling_correction"),
     (["cluster.gpus_per_node=4", "rollout_pool.num_engines=8"], "no GPUs left for the learner"),
+    (["rollout_pool.channel_send_timeout_s=120"],
+     "rollout_pool.channel_send_timeout_s (120) must be < policy.generation.request_timeout_s (120)"),
 ])
 def test_contradictions_are_rejected(overrides, words):
     with pytest.raises(RecipeError) as err:

@@ -76,7 +76,7 @@ def test_push_weights_retries_then_names_the_learner_and_the_cause():
     calls, exports = [], []
     job = LearnerJob.__new__(LearnerJob)
     job.id, job.version = "learner-x", 3
-    job.recipe = type("R", (), {"policy": type("P", (), {"refit_bucket_mb": 1, "generation": type(
+    job.recipe = type("R", (), {"policy": type("P", (), {"refit_bucket_mb": 1, "refit_timeout_s": 1.0, "generation": type(
         "G", (), {"request_timeout_s": 1.0})})})
     job.learner = type("L", (), {"call": lambda self, m, *a: exports.append(m) or (b"manifest", [])})()
     job.pool = type("Pool", (), {"update_weights": _Refused(calls)})()
@@ -160,7 +160,7 @@ class _GroupLearner:
 
 
 def test_collective_refit_forms_the_group_once_and_again_after_a_failed_send():
-    recipe = type("R", (), {"policy": type("P", (), {"refit_bucket_mb": 1, "generation": type(
+    recipe = type("R", (), {"policy": type("P", (), {"refit_bucket_mb": 1, "refit_timeout_s": 1.0, "generation": type(
         "G", (), {"request_timeout_s": 1.0})})})
     pool, learner = _GroupPool(), _GroupLearner(fail_sends=0)
     refit = CollectiveRefit(recipe, pool, learner)
@@ -202,3 +202,30 @@ def test_failed_parity_pushes_again_once_then_stops(bad_probes, pushes, raises):
     else:
         assert job.checked_parity()["gen_kl_error"] == 1e-6
     assert pushed == [True] * pushes
+class _Undelivered:
+    def __init__(self, records: list[dict]):
+        self.records, self.asked = records, []
+
+    def remote(self, learner_id: str):
+        self.asked.append(learner_id)
+        return self
+
+    def result(self, timeout_s: float):
+        out, self.records = self.records, []
+        return out
+
+
+def test_undelivered_prompts_are_dropped_with_a_reason_and_replaced_once():
+    job = receiving_job()
+    job.id = "learner-x"
+    for pid in ("a", "b", "c"):
+        job.ledger.schedule(pid, 2)
+    job._receive(encode(group("b", 2)))                                 # b's group did arrive (buffered)
+    job.ledger.mark_dropped("c", "stale")
+    take = _Undelivered([{"prompt_id": p, "scheduled_step": 2, "reason": "channel send failed: ChannelTimeout: full",
+                          "engine_id": "e0"} for p in ("a", "b", "c")])
+    job.pool = type("Pool", (), {"take_undelivered": take})()
+    assert job.drop_undelivered() == 1                                 # only a: b is buffered, c already finished
+    assert job.ledger.dropped == {"c": "stale", "a": "undelivered"} and job.rescheduled == [(2, 1)]
+    assert job.rejected == {"undelivered": 1} and take.asked == ["learner-x"]
+    assert job.drop_undelivered() == 0                                  # handed out once
