@@ -45,9 +45,7 @@ class CollectiveWeightReceiver:
 
         self.inflight_leave_weight_group()
         rank = rank_base + int(getattr(self, "rank", 0))
-        device = getattr(self, "device", None)
-        if device is None or getattr(device, "type", "cpu") not in ("cuda", "cpu"):
-            device = "cpu"
+        device = getattr(self, "device", None) or "cpu"  # the worker's torch.device (CPU workers set cpu)
         logger.info("weight group %s:%d: joining as rank %d of %d on %s", host, port, rank, world_size, device)
         self._inflight_group = WeightTransferGroup(host, port, rank, world_size, device, timeout_s)
         return rank

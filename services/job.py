@@ -185,7 +185,8 @@ class LearnerJob:
             try:
                 self._receive(self.channel.recv(min(left, 5.0)))
             except ChannelTimeout:
-                self.refit.serve_waiting_engines()  # a restarted engine may be waiting for our weights
+                if self.refit.engines_waiting():  # a restarted engine waits for our weights
+                    self.push_weights(reset=True)
 
     def drop_undelivered(self) -> int:
         """Drop (reason ``undelivered``) and replace the open prompts whose groups the pool's engines could not

@@ -45,8 +45,8 @@ class ObjectStoreRefit:
         manifest, refs = self.learner.call("export_weights", self.bucket_bytes)
         return self.pool.update_weights.remote(manifest, refs, reset).result(timeout_s=self.timeout_s)
 
-    def serve_waiting_engines(self) -> bool:
-        """The pool reinstalls its latest push on restarted engines itself: nothing to do."""
+    def engines_waiting(self) -> bool:
+        """The pool reinstalls its latest push on restarted engines itself: none ever wait for the learner."""
         return False
 
 
@@ -87,14 +87,12 @@ class CollectiveRefit:
         log.info("weight group %s:%d formed: %d engines, world size %d", host, port, len(plan["ranks"]),
                  plan["world_size"])
 
-    def serve_waiting_engines(self) -> bool:
-        """Push the current version again if an engine is up without it (restarted); True if it pushed."""
+    def engines_waiting(self) -> bool:
+        """True if an engine is up without the current weights (restarted): it waits for a push."""
         waiting = self.pool.engines_wanting_weights.remote().result(timeout_s=60)
-        if not waiting:
-            return False
-        log.info("engines %s are up without the current weights; pushing them again", waiting)
-        self.push(reset=True)
-        return True
+        if waiting:
+            log.info("engines %s are up without the current weights", waiting)
+        return bool(waiting)
 
 
 def _settle(response, timeout_s: float) -> None:

@@ -229,3 +229,35 @@ def test_undelivered_prompts_are_dropped_with_a_reason_and_replaced_once():
     assert job.ledger.dropped == {"c": "stale", "a": "undelivered"} and job.rescheduled == [(2, 1)]
     assert job.rejected == {"undelivered": 1} and take.asked == ["learner-x"]
     assert job.drop_undelivered() == 0                                  # handed out once
+
+
+class _QuietChannel:
+    """A channel that stays empty for ``timeouts`` reads, then delivers ``data``."""
+
+    def __init__(self, timeouts: int, data: bytes):
+        self.timeouts, self.data = timeouts, data
+
+    def recv(self, timeout_s: float) -> bytes:
+        from services.channel import ChannelTimeout
+        if self.timeouts:
+            self.timeouts -= 1
+            raise ChannelTimeout("empty")
+        return self.data
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_quiet_channel_pushes_the_weights_to_an_engine_waiting_for_them(waiting):
+    """A restarted engine outside the weight group takes no work until it has the learner's version; with a
+    one-engine pool nothing else would ever arrive, so a learner waiting for groups pushes to it."""
+    job = receiving_job()
+    job.id, job.version, job.n_per_step, job.collect_timeout_s = "learner-x", 1, 1, 60.0
+    job.last_sample_error = ""
+    job.recipe = type("R", (), {"rollout_pool": type("P", (), {"name": "p"})})
+    job.pool = type("Pool", (), {"take_undelivered": _Undelivered([])})()
+    job.ledger.schedule("a", 1)
+    job.channel = _QuietChannel(2, encode(group("a")))
+    job.refit = type("Refit", (), {"engines_waiting": lambda self: waiting})()
+    pushes = []
+    job.push_weights = lambda reset=False: pushes.append(reset)
+    assert [b.group.prompt_id for b in job.collect(1)] == ["a"]
+    assert pushes == ([True, True] if waiting else [])
