@@ -204,6 +204,9 @@ class LearnerJob:
     def train(self, buffered: list) -> dict:
         import ray
 
+        # A fixed order (not arrival order): a seeded sync run then trains on the same batches, packed the same
+        # way, whether or not it was killed and resumed in between.
+        buffered = sorted(buffered, key=lambda b: (b.group.scheduled_step, b.group.prompt_id))
         ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
         metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered])
         self.version = int(self.learner.call("version"))
