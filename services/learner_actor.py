@@ -72,10 +72,7 @@ class LearnerActor:
     def leave_weight_group(self) -> None:
         group, self._weight_group = self._weight_group, None
         if group is not None:
-            try:
-                group.close()
-            except Exception:  # noqa: BLE001 - a broken group is dropped either way
-                pass
+            group.close()  # aborts, bounded; never raises
 
     def stage_weights(self) -> None:
         """Gather this version's HF tensors on rank 0's device (collective), ready for :meth:`send_staged`."""

@@ -386,7 +386,7 @@ class RolloutPool:
                                              for eid in targets], return_exceptions=True)
             installed, failed = [], {}
             for eid, res in zip(targets, results):
-                if isinstance(res, ray.exceptions.RayActorError):  # restarted later with the latest weights
+                if _engine_gone(res):  # restarted later with the latest weights
                     self._mark_down(eid, res)
                 elif isinstance(res, BaseException):
                     failed[eid] = res
@@ -439,10 +439,7 @@ class RolloutPool:
             results = await asyncio.gather(*[asyncio.wait_for(self.engines[e].join_weight_group.remote(
                 host, port, plan["ranks"][e], plan["world_size"], timeout_s), timeout_s + 60) for e in eids],
                 return_exceptions=True)
-            failed = {e: r for e, r in zip(eids, results) if isinstance(r, BaseException)}
-            for eid, exc in failed.items():
-                if _engine_gone(exc):  # the watcher brings it back; the next plan leaves it out until then
-                    self._mark_down(eid, exc)
+            failed = self._group_failures(eids, results)
             if failed:
                 raise self._refit_failed("?", failed)
             self._weight_group = {e: self.engine_state[e].get("pid") for e in eids}
@@ -455,8 +452,6 @@ class RolloutPool:
 
         Atomic per engine; the pool's version advances only if all of them installed it. Any failure drops
         the group (the learner re-forms it before its next attempt)."""
-        import ray
-
         timeout_s = timeout_s or self.recipe.policy.refit_timeout_s
         t0 = time.perf_counter()
         async with self._refit_lock:
@@ -466,29 +461,29 @@ class RolloutPool:
             eids = list(self._weight_group)
             results = await asyncio.gather(*[asyncio.wait_for(self.engines[e].receive_weights.remote(reset),
                                                               timeout_s) for e in eids], return_exceptions=True)
-            failed = {}
-            for eid, res in zip(eids, results):
-                if _engine_gone(res):
-                    self._mark_down(eid, res)
-                if isinstance(res, BaseException):
-                    failed[eid] = res
-                else:
-                    self.engine_state[eid]["version"] = res
+            failed = self._group_failures(eids, results)
             if failed:
                 self._weight_group = None
                 raise self._refit_failed("?", failed)
-            version = results[0]
+            for eid, res in zip(eids, results):
+                self.engine_state[eid]["version"] = res["version"]
+            version = results[0]["version"]
             seconds = time.perf_counter() - t0
             self.version, self._latest_weights = version, None
             self.metrics.policy_version.set(version)
             self.metrics.refit_seconds.observe(seconds)
-            stats = await asyncio.gather(*[asyncio.wait_for(self.engines[e].stats.remote(), HEALTH_TIMEOUT_S)
-                                           for e in eids], return_exceptions=True)
-            nbytes = [s.get("refit_bytes_last", 0) for s in stats if isinstance(s, dict)]
-            self.metrics.refit_bytes.inc(sum(nbytes))
-            pauses = [s.get("pause_seconds_last", 0.0) for s in stats if isinstance(s, dict)]
-            return {"version": version, "seconds": seconds, "bytes": max(nbytes, default=0), "engines": len(eids),
-                    "pause_seconds_max": max(pauses, default=0.0)}
+            self.metrics.refit_bytes.inc(sum(r["bytes"] for r in results))
+            return {"version": version, "seconds": seconds, "bytes": max(r["bytes"] for r in results),
+                    "engines": len(eids), "pause_seconds_max": max(r["pause_s"] for r in results)}
+
+    def _group_failures(self, eids: list[str], results: list) -> dict[str, BaseException]:
+        """The engines of a weight-group call that failed; those whose process died are marked down (the
+        watcher brings them back and the next plan leaves them out until then)."""
+        failed = {e: r for e, r in zip(eids, results) if isinstance(r, BaseException)}
+        for eid, exc in failed.items():
+            if _engine_gone(exc):
+                self._mark_down(eid, exc)
+        return failed
 
     async def _some_engine_up(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` until an engine is up (the only one may be restarting: the watcher

@@ -53,10 +53,20 @@ def attached_job(recipe, run_dir):
         pool_api.shutdown(POOL_NAME)
 
 
-@pytest.mark.timeout(600)
-def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, tmp_path):
+def first_step_times_out(job):
+    """Start ``job``, schedule step 1 and collect it until the StepTimeout; returns (seconds waited, the error)."""
     from services.job import StepTimeout
 
+    job.start(prefetch=False)
+    job.schedule(1)
+    t0 = time.monotonic()
+    with pytest.raises(StepTimeout, match=f"pool '{POOL_NAME}': only 0/4 groups for step 1") as err:
+        job.collect(1)
+    return time.monotonic() - t0, err
+
+
+@pytest.mark.timeout(600)
+def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, tmp_path):
     hang = tmp_path / "hang.py"
     hang.write_text("import time\n\ndef reward(batch):\n    time.sleep(3600)\n")
     recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", f"env.reward_fn={hang}:reward", "env.reward_timeout_s=2",
@@ -64,12 +74,7 @@ def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, 
                          "rollout_pool.channel_send_timeout_s=5", "grpo.max_num_steps=1",
                          "grpo.async_grpo.enabled=false")
     with attached_job(recipe, tmp_path) as job:
-        job.start(prefetch=False)
-        job.schedule(1)
-        t0 = time.monotonic()
-        with pytest.raises(StepTimeout, match=f"pool '{POOL_NAME}': only 0/4 groups for step 1") as err:
-            job.collect(1)
-        waited = time.monotonic() - t0
+        waited, err = first_step_times_out(job)
         print(f"hanging reward: StepTimeout after {waited:.1f} s: {err.value}")
         assert waited <= job.collect_timeout_s + 30
         assert "last failed sample: reward:" in str(err.value)
@@ -87,7 +92,6 @@ MAX_RETRIES = 1
 def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_wait_is_bounded(ray_cluster, tmp_path):
     from protocol import ProtocolError, TrajectoryGroup, decode
     from services import pool as pool_api
-    from services.job import StepTimeout
 
     recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", "policy.max_total_sequence_length=256",
                          "policy.generation.max_new_tokens=200", f"policy.generation.request_timeout_s={REQUEST_TIMEOUT_S}",
@@ -108,12 +112,7 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
             receive(data)
 
         job._receive = record
-        job.start(prefetch=False)
-        job.schedule(1)
-        t0 = time.monotonic()
-        with pytest.raises(StepTimeout, match=f"pool '{POOL_NAME}': only 0/4 groups for step 1") as err:
-            job.collect(1)
-        waited = time.monotonic() - t0
+        waited, err = first_step_times_out(job)
         stats = pool_api.connect(POOL_NAME).engine_stats.remote().result(timeout_s=60)
         summary = job.ledger.summary()
         samples = [t for g in groups for t in g.trajectories]
