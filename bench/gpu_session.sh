@@ -9,8 +9,14 @@
 #                                 # GPU 1: MoE parity test (reload vs plain load), then rollout throughput
 #   bash bench/gpu_session.sh C   # the MoE parity test (GPU 0) beside one start-matrix case (GPU 1), then the
 #                                 # step breakdown of A again
+#   bash bench/gpu_session.sh D   # GPU 0: rollout throughput eager, then the MoE model through a colocated sync
+#                                 # loop; GPU 1: the MoE parity test, then rollout throughput with CUDA graphs
+#   bash bench/gpu_session.sh E   # the refit bench over NCCL (install paths of rollout.direct_load), then the
+#                                 # step breakdown of A (collective refit, direct load)
+#   bash bench/gpu_session.sh F   # the MoE parity test (GPU 0) beside the refit bench (both GPUs); then, if plain
+#                                 # load was proven for the dense model, the step breakdown of E again
 set -u
-PHASE=${1:?phase A or B}
+PHASE=${1:?phase A, B, C, D, E or F}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -73,6 +79,46 @@ C)
   step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
     --out "$OUT/step_breakdown_h200x2_collective.json" policy.model_name=$dense $SHAPE \
     policy.refit_transport=collective
+  ;;
+D)
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    step throughput_eager 230 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
+      --max-tokens 256 --repeats 1 --variants llm,rollout_engine --eager
+    step moe_sync_loop 320 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 3 \
+      --run-dir "$OUT/moe_sync" policy.model_name=$moe $SHAPE \
+      policy.generation.vllm_cfg.moe_backend=flashinfer_cutlass logger.tensorboard_enabled=false \
+      checkpointing.enabled=false
+  ) > "$OUT/track0.txt" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    step moe_parity_test 230 $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
+      -p no:cacheprovider
+    step throughput_graphs 320 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
+      --max-tokens 256 --repeats 1 --variants llm,rollout_engine
+  ) > "$OUT/track1.txt" 2>&1 &
+  wait
+  cat "$OUT/track0.txt" "$OUT/track1.txt"
+  ;;
+E)
+  step refit 200 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_direct.json"
+  step step_breakdown 360 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+    --out "$OUT/step_breakdown_h200x2_direct.json" policy.model_name=$dense $SHAPE \
+    policy.refit_transport=collective
+  ;;
+F)
+  CUDA_VISIBLE_DEVICES=0 step moe_parity_test 230 $PY -m pytest -m gpu -x -q -s \
+    tests/integration/services/test_gpu_moe_parity.py -p no:cacheprovider > "$OUT/track0.txt" 2>&1 &
+  step refit 200 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_direct.json" > "$OUT/track1.txt" 2>&1
+  wait
+  cat "$OUT/track0.txt" "$OUT/track1.txt"
+  if grep -q "direct load refused" "$OUT/refit.log"; then
+    echo "[step_breakdown] skipped: plain load_weights was not proven for the dense model"
+  else
+    step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+      --out "$OUT/step_breakdown_h200x2_direct.json" policy.model_name=$dense $SHAPE \
+      policy.refit_transport=collective
+  fi
   ;;
 esac
 

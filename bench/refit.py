@@ -12,11 +12,16 @@ hands GPU tensors to the worker without pickling). Measured:
     bucket sizes, with and without double buffering, end to end (send start
     on GPU 0 -> every bucket received and checksum-verified on GPU 1; one
     system-wide monotonic clock);
-(c) the install: ``reload_weights(weights_iterator=<views of the received
-    buckets>)``, and, for comparison, the CPU path's install (GPU -> host,
-    CRC32 per bucket, a safetensors file in /dev/shm, ``reload_weights(
-    weights_path=...)``). Pushing scaled weights must change the greedy output
-    and pushing the originals back must restore it exactly.
+(c) the install, on each path of :mod:`rollout.direct_load`: ``checked``
+    (the first push: plain ``load_weights`` and ``reload_weights`` both run and
+    are compared), ``direct`` (plain ``load_weights`` into vLLM's fused
+    parameters, once proven) and ``reload`` (vLLM's layerwise
+    ``reload_weights(weights_iterator=<views of the received buckets>)``), in
+    the order of :data:`INSTALLS`, alternating scaled and original weights;
+    and, for comparison, the CPU path's install (GPU -> host, CRC32 per
+    bucket, a safetensors file in /dev/shm, ``reload_weights(weights_path=
+    ...)``). Every scaled push must give the same changed greedy output and
+    every original push must restore the first output exactly.
 
 The engine is paused for the whole install (a synchronous ``LLM`` steps
 nothing during ``collective_rpc``), so pause = install time here; the
@@ -44,6 +49,9 @@ SIZE_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
 """Qwen2.5-1.5B's transformer dimensions (the vocabulary is the tiny tokenizer's, so ~1.3 B parameters)."""
 PROMPT = [1, 5, 9, 17, 33, 65, 101, 7]
 REPEATS = 3
+INSTALLS = [("checked", "scaled"), ("direct", "original"), ("reload", "scaled"), ("reload", "original"),
+            ("direct", "scaled"), ("direct", "original"), ("reload", "scaled"), ("reload", "original")]
+"""(install path, weights) of part (c), in order; each path ends up timed on both weight sets."""
 
 
 def _sync(conn, value=None):
@@ -80,11 +88,11 @@ def learner_side(args, model_dir: str, port: int, conn) -> None:
                 t0 = time.monotonic()
                 group.send(1, tensors, bucket_mib * MiB, double)
                 conn.send(("push", t0))
-    scaled = [(n, t * 1.5 if t.dim() > 1 else t) for n, t in tensors]
-    for label, push in (("scaled", scaled), ("original", tensors)):  # (c) install through vLLM
+    pushes = {"scaled": [(n, t * 1.5 if t.dim() > 1 else t) for n, t in tensors], "original": tensors}
+    for version, (_, label) in enumerate(INSTALLS, start=2):  # (c) install through vLLM
         _sync(conn)
         t0 = time.monotonic()
-        group.send(2, push, args.install_bucket_mib * MiB, True)
+        group.send(version, pushes[label], args.install_bucket_mib * MiB, True)
         conn.send((label, t0))
     _sync(conn)
     group.close()
@@ -124,22 +132,15 @@ def engine_side(args, model_dir: str, port: int, conn, results) -> None:
                 del buckets
             result["push"].append({"bucket_mib": bucket_mib, "double_buffer": double,
                                    "buckets": len(manifest.bucket_sizes), "seconds": times})
-    outputs = {}
-    for label in ("scaled", "original"):
+    installs = _Installs(args, llm, generate, base)
+    for path, label in INSTALLS:
         _sync(conn)
         manifest, buckets = group.recv()
         received = time.monotonic()
         _, t0 = conn.recv()
-        result["install"][label] = _install(llm, manifest, buckets, t0, received)
-        outputs[label] = generate()
-        if label == "original":
-            result["cpu_path"] = _cpu_path(args, llm, manifest, buckets)
-            outputs["after_cpu_path"] = generate()
+        installs.run(path, label, manifest, buckets, t0, received)
         del buckets
-    result["greedy"] = {"changed_by_scaled_push": outputs["scaled"] != base,
-                        "restored_by_original_push": outputs["original"] == base,
-                        "cpu_path_keeps_original": outputs["after_cpu_path"] == base}
-    result["engine_tensors"] = len(manifest.tensors)
+    result.update(installs.report())
     _sync(conn)
     group.close()
     results.put(result)
@@ -197,34 +198,70 @@ def one_gpu(args, model_dir: str, results) -> None:
             del buckets
         result["push"].append({"bucket_mib": bucket_mib, "double_buffer": None,
                                "buckets": len(manifest.bucket_sizes), "seconds": times})
-    outputs = {}
-    scaled = [(n, t * 1.5 if t.dim() > 1 else t) for n, t in tensors]
-    for label, push in (("scaled", scaled), ("original", tensors)):
+    installs = _Installs(args, llm, generate, base)
+    pushes = {"scaled": [(n, t * 1.5 if t.dim() > 1 else t) for n, t in tensors], "original": tensors}
+    for path, label in INSTALLS:
         torch.cuda.synchronize()
         t0 = time.monotonic()
-        manifest, buckets = pack(push, args.install_bucket_mib * MiB)
-        result["install"][label] = _install(llm, manifest, buckets, t0, time.monotonic())
-        outputs[label] = generate()
-        if label == "original":
-            result["cpu_path"] = _cpu_path(args, llm, manifest, buckets)
-            outputs["after_cpu_path"] = generate()
+        manifest, buckets = pack(pushes[label], args.install_bucket_mib * MiB)
+        torch.cuda.synchronize()
+        installs.run(path, label, manifest, buckets, t0, time.monotonic())
         del buckets
-    result["greedy"] = {"changed_by_scaled_push": outputs["scaled"] != base,
-                        "restored_by_original_push": outputs["original"] == base,
-                        "cpu_path_keeps_original": outputs["after_cpu_path"] == base}
-    result["engine_tensors"] = len(manifest.tensors)
+    result.update(installs.report())
     results.put(result)
 
 
-def _install(llm, manifest, buckets, t0: float, received: float) -> dict:
-    """Install received buckets through vLLM's layerwise reload, in process (GPU tensors, no pickling)."""
-    import torch
+class _Installs:
+    """Part (c) on the engine side: installs received pushes on a given path of :mod:`rollout.direct_load`,
+    in process (GPU tensors, no pickling), times them and checks the greedy output after each."""
 
-    from protocol.weight_transfer import named_views
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_views(manifest, buckets)})
-    torch.cuda.synchronize()
-    installed = time.monotonic()
-    return {"transfer_s": received - t0, "install_s": installed - received, "export_to_installed_s": installed - t0}
+    def __init__(self, args, llm, generate, base: list[int]):
+        from rollout.direct_load import DirectLoad
+        self.args, self.llm, self.generate, self.base = args, llm, generate, base
+        self.direct = DirectLoad()
+        self.times: dict[str, list[dict]] = {}
+        self.greedy = {"scaled_outputs_equal": True, "scaled_changed_output": None, "originals_restored": True}
+        self.scaled_output = None
+        self.cpu_path = None
+        self.tensors = 0
+
+    def run(self, path: str, label: str, manifest, buckets, t0: float, received: float) -> None:
+        import torch
+
+        from protocol.weight_transfer import named_views
+        views = lambda: iter(named_views(manifest, buckets))  # noqa: E731
+        direct = self.direct
+
+        def install(worker):
+            model = worker.model_runner.get_model()
+            if path == "reload":
+                worker.reload_weights(weights_iterator=views())
+                return "reload"
+            return direct.install(model, views, lambda w: worker.reload_weights(weights_iterator=w))
+
+        taken = self.llm.collective_rpc(install)[0]
+        torch.cuda.synchronize()
+        installed = time.monotonic()
+        if taken != path:  # plain load was refused (or not decided): report the path that ran
+            print(f"install path {taken} where {path} was planned: {direct.refused_reason}")
+        self.times.setdefault(taken, []).append(
+            {"weights": label, "transfer_s": received - t0, "install_s": installed - received,
+             "export_to_installed_s": installed - t0})
+        out = self.generate()
+        if label == "scaled":
+            self.scaled_output = self.scaled_output or out
+            self.greedy["scaled_outputs_equal"] &= out == self.scaled_output
+            self.greedy["scaled_changed_output"] = out != self.base
+        else:
+            self.greedy["originals_restored"] &= out == self.base
+            if self.cpu_path is None:
+                self.cpu_path = _cpu_path(self.args, self.llm, manifest, buckets)
+                self.greedy["cpu_path_keeps_original"] = self.generate() == self.base
+        self.tensors = len(manifest.tensors)
+
+    def report(self) -> dict:
+        return {"install": self.times, "greedy": self.greedy, "cpu_path": self.cpu_path,
+                "engine_tensors": self.tensors, "direct_load_refused": self.direct.refused_reason}
 
 
 def _cpu_path(args, llm, manifest, buckets) -> dict:
@@ -252,6 +289,12 @@ def _cpu_path(args, llm, manifest, buckets) -> dict:
     staged.rmdir()
     return {"d2h_s": t_d2h - t, "crc32_pack_s": t_crc - t_d2h, "stage_shm_s": t_stage - t_crc,
             "reload_from_path_s": t_reload - t_stage, "total_s": t_reload - t}
+
+
+def _install_summary(nbytes: int, runs: list[dict]) -> dict:
+    """Medians over the runs of one install path (seconds) and the effective GB/s export -> installed."""
+    med = {k: statistics.median(r[k] for r in runs) for k in ("transfer_s", "install_s", "export_to_installed_s")}
+    return dict(med, runs=runs, gbps=_gbps(nbytes, med["export_to_installed_s"]))
 
 
 def _free_port() -> int:
@@ -312,8 +355,8 @@ def main() -> None:
                                 "gbps": _gbps(n, statistics.median(result["raw"]))} if result["raw"] else None,
               "push": [dict(r, seconds_median=statistics.median(r["seconds"]),
                             gbps=_gbps(n, statistics.median(r["seconds"]))) for r in result["push"]],
-              "install": {k: dict(v, gbps=_gbps(n, v["export_to_installed_s"]))
-                          for k, v in result["install"].items()}}
+              "direct_load_refused": result["direct_load_refused"],
+              "install": {path: _install_summary(n, runs) for path, runs in result["install"].items()}}
     print(f"model {report['model']}: {n / 1e9:.2f} GB in {report['tensors']} tensors")
     print(f"{'what':<44}{'seconds':>10}{'GB/s':>10}")
     if report["raw_broadcast"]:
@@ -323,10 +366,12 @@ def main() -> None:
         how = {True: "double", False: "single", None: "pack+verify, no wire"}[r["double_buffer"]]
         label = f"(b) push {r['bucket_mib']} MiB x{r['buckets']} {how}"
         print(f"{label:<44}{r['seconds_median']:>10.4f}{r['gbps']:>10.1f}")
-    for k, v in report["install"].items():
-        print(f"{'(c) ' + k + ': transfer + verify':<44}{v['transfer_s']:>10.4f}")
-        print(f"{'(c) ' + k + ': reload_weights(iterator)':<44}{v['install_s']:>10.4f}")
-        print(f"{'(c) ' + k + ': export -> installed':<44}{v['export_to_installed_s']:>10.4f}{v['gbps']:>10.1f}")
+    for path, v in report["install"].items():
+        print(f"{'(c) ' + path + ': transfer + verify':<44}{v['transfer_s']:>10.4f}")
+        print(f"{'(c) ' + path + ': install':<44}{v['install_s']:>10.4f}")
+        print(f"{'(c) ' + path + ': export -> installed':<44}{v['export_to_installed_s']:>10.4f}{v['gbps']:>10.1f}")
+    if report["direct_load_refused"]:
+        print("direct load refused:", report["direct_load_refused"])
     for k, v in report["cpu_path"].items():
         print(f"{'(c) CPU path ' + k:<44}{v:>10.4f}")
     print("greedy:", report["greedy"])

@@ -61,7 +61,7 @@ def main() -> None:
             rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
             results[mode] = {k: warm_mean(rows, k) for k in KEYS}
             results[mode]["reward_mean"] = warm_mean(rows, "reward_mean")
-            for key in ("trajectory_age_mean", "refit_bytes", "refit_pause_s", "gen_kl_error",
+            for key in ("trajectory_age_mean", "refit_bytes", "refit_pause_s", "refit_install_s", "gen_kl_error",
                         "parity_max_abs_logprob_diff"):
                 results[mode][key] = warm_mean(rows, key)
     finally:
@@ -79,7 +79,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         r = results[mode]
         print(f"{mode}: refit {r['refit_bytes'] / 1e9:.2f} GB in {r['refit_s']:.3f} s, generation pause "
-              f"{r['refit_pause_s'] * 1e3:.0f} ms, gen KL {r['gen_kl_error']:.2e}")
+              f"{r['refit_pause_s'] * 1e3:.0f} ms (install {r['refit_install_s'] * 1e3:.0f} ms), gen KL {r['gen_kl_error']:.2e}")
     print(f"\nasync speed-up over sync: {speedup:.2f}x; overlap efficiency max(gen, train)/async step = "
           f"{overlap:.3f} (goal >= 0.95)")
     device = "cpu"

@@ -18,10 +18,13 @@ methods are mixed into the worker class and called from the engine with
    :class:`protocol.WeightManifest`. Generation continues around it: the
    engine core runs this between two scheduler steps and it lasts as long as
    the transfer.
-3. ``inflight_install_received()`` -- with generation paused by the engine,
-   load the received tensors through vLLM's layerwise ``reload_weights`` (the
-   path that repacks CPU linear weights and reorders FlashInfer CUTLASS MoE
-   gate/up halves; a plain ``load_weights`` would not), then free the buffers.
+3. ``inflight_install_received(version, direct_load)`` -- with generation
+   paused by the engine, load the received tensors through vLLM's layerwise
+   ``reload_weights`` (the path that repacks CPU linear weights and reorders
+   FlashInfer CUTLASS MoE gate/up halves; a plain ``load_weights`` would
+   not), or, once :mod:`rollout.direct_load` has proven plain ``load_weights``
+   gives the same tensors for this model, through that faster path; then free
+   the buffers. Returns the bytes and the path taken.
 4. ``inflight_drop_received()`` -- free the buffers of a push the engine
    rejected.
 """
@@ -38,6 +41,7 @@ class CollectiveWeightReceiver:
 
     _inflight_group = None
     _inflight_received = None
+    _inflight_direct_load = None
 
     def inflight_join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
                                    timeout_s: float) -> int:
@@ -66,19 +70,27 @@ class CollectiveWeightReceiver:
         self._inflight_received = (manifest, buckets)
         return encode(manifest)
 
-    def inflight_install_received(self, version: int) -> int:
+    def inflight_install_received(self, version: int, direct_load: bool = False) -> dict:
         from protocol.weight_transfer import named_views
+        from rollout.direct_load import DirectLoad
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
             have = None if self._inflight_received is None else self._inflight_received[0].version
             raise RuntimeError(f"inflight_install_received: v{version} was not received by this worker "
                                f"(holding {have})")
         manifest, buckets = self._inflight_received
+        if self._inflight_direct_load is None:
+            self._inflight_direct_load = DirectLoad(direct_load)
+        loader = self._inflight_direct_load
         try:
-            self.reload_weights(weights_iterator=iter(named_views(manifest, buckets)))
+            path = loader.install(self.model_runner.get_model(), lambda: iter(named_views(manifest, buckets)),
+                                  lambda weights: self.reload_weights(weights_iterator=weights))
         finally:
             self._inflight_received = None
-        return manifest.total_bytes
+        if path == "checked":
+            logger.info("weight install: plain load_weights %s", "proven equal to reload_weights; used from now on"
+                        if loader.proven else f"not used: {loader.refused_reason or 'push changed nothing'}")
+        return {"bytes": manifest.total_bytes, "path": path, "refused_reason": loader.refused_reason}
 
     def inflight_drop_received(self) -> None:
         self._inflight_received = None

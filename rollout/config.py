@@ -39,6 +39,10 @@ class VllmConfig(ConfigModel):
     """vLLM prefix caching; the prefix cache is reset after every weight update."""
     seed: int = Field(0, ge=0)
     """Sampling seed of the engine (per-request seeds derive from it)."""
+    direct_weight_load: bool = True
+    """Collective refit: install pushes with vLLM's plain ``load_weights`` once the first push has proven it
+    gives the same tensors as the layerwise ``reload_weights`` for this model (``rollout.direct_load``); False:
+    always ``reload_weights``."""
 
 
 class ColocatedConfig(ConfigModel):

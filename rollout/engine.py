@@ -121,6 +121,12 @@ class EngineStats:
     refit_seconds_total: float = 0.0
     refit_seconds_last: float = 0.0
     pause_seconds_last: float = 0.0
+    install_seconds_last: float = 0.0
+    """Time of the workers' install (reload or direct load) inside the last pause."""
+    install_path_last: str = ""
+    """How the last collective push was installed: ``reload``, ``direct`` or ``checked`` (rollout.direct_load)."""
+    direct_load_refused: str = ""
+    """Why plain ``load_weights`` is not used for this model (empty: proven, or not checked yet)."""
     refit_bytes_total: int = 0
     refit_bytes_last: int = 0
     prefix_cache_reset_deferred: int = 0
@@ -520,8 +526,10 @@ class RolloutEngine:
                     raise
                 raise WeightUpdateError(f"rollout engine {self.engine_id}: weight push not received: "
                                         f"{self._stats.last_error}") from exc
-            await self._swap(llm, manifest.version, lambda: llm.collective_rpc(
-                "inflight_install_received", args=(manifest.version,)))
+            installed = await self._swap(llm, manifest.version, lambda: llm.collective_rpc(
+                "inflight_install_received", args=(manifest.version, self.generation.vllm_cfg.direct_weight_load)))
+            self._stats.install_path_last = installed[0]["path"]
+            self._stats.direct_load_refused = installed[0]["refused_reason"]
             self._record_refit(started, manifest.total_bytes)
             return self._version
 
@@ -533,9 +541,9 @@ class RolloutEngine:
         self._stats.refit_bytes_total += nbytes
         self._stats.refit_bytes_last = nbytes
 
-    async def _swap(self, llm, version: int, install) -> None:
+    async def _swap(self, llm, version: int, install):
         """Pause (``pause_mode``), ``await install()`` (the workers reload their weights), reset the prefix
-        cache, relabel, and always resume."""
+        cache, relabel, and always resume; returns what ``install()`` returned."""
         paused_at = time.perf_counter()
         await self._bounded(llm.pause_generation(mode=self.pause_mode,
                                                   clear_cache=self.recompute_kv_cache_after_weight_updates),
@@ -544,7 +552,9 @@ class RolloutEngine:
             if self.stream_version_labels and not await drain_frontend(llm):
                 self._stats.version_drain_incomplete += 1
             try:
-                await self._bounded(install(), f"reload_weights of v{version}")
+                install_started = time.perf_counter()
+                installed = await self._bounded(install(), f"reload_weights of v{version}")
+                self._stats.install_seconds_last = time.perf_counter() - install_started
                 if not await self._bounded(llm.reset_prefix_cache(), "reset_prefix_cache"):
                     # Blocks of running requests are still in use; new requests are salted by version instead.
                     self._stats.prefix_cache_reset_deferred += 1
@@ -562,6 +572,7 @@ class RolloutEngine:
         finally:
             await self._bounded(llm.resume_generation(), "resume_generation after a weight update")
             self._stats.pause_seconds_last = time.perf_counter() - paused_at
+        return installed
 
 
 def _shutdown_late_engine(build: asyncio.Future) -> None:

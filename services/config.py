@@ -178,6 +178,11 @@ class LoggerConfig(ConfigModel):
     weights (e.g. a load path that scrambles fused tensors): the job pushes once more and, if the probe
     still fails, stops with ``ParityError``. Measured: ~1e-11 float32 on CPU; on H200 in bf16 ~5e-5 (dense
     0.6B) and 2.6e-6 (small MoE, FlashInfer CUTLASS)."""
+    parity_max_gen_kl_ratio: float = Field(20.0, ge=0.0)
+    """Also fail the probe when gen KL exceeds this multiple of the median of the last 5 accepted refits
+    (baseline at least 1e-6): a wrong install can stay under ``parity_max_gen_kl`` on a model with
+    near-uniform outputs (measured on H200, random MoE, wrong vs right path: 3.0e-4 vs 2.6e-6 = 115x, and in another
+    run 3.3e-4 vs 9.5e-6 = 34x); 0 disables."""
 
 
 class Recipe(ConfigModel):

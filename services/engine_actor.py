@@ -120,10 +120,12 @@ class EngineActor:
         return await self.engine.join_weight_group(host, port, rank_base, world_size, timeout_s)
 
     async def receive_weights(self, reset: bool = False) -> dict:
-        """The next push of the weight group, installed: ``{"version", "bytes", "pause_s"}``."""
+        """The next push of the weight group, installed: ``{"version", "bytes", "pause_s", "install_s",
+        "install_path"}`` (see :class:`rollout.engine.EngineStats`)."""
         version = await self.engine.receive_weights(reset=reset)
         s = self.engine.stats()
-        return {"version": version, "bytes": s["refit_bytes_last"], "pause_s": s["pause_seconds_last"]}
+        return {"version": version, "bytes": s["refit_bytes_last"], "pause_s": s["pause_seconds_last"],
+                "install_s": s["install_seconds_last"], "install_path": s["install_path_last"]}
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         out = await self.engine.logprobs_of(prompt_ids, response_ids)

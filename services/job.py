@@ -29,6 +29,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -63,14 +64,30 @@ def parity_stats(engine: list, learner: list) -> dict:
             "parity_mean_abs_logprob_diff": float(np.abs(d).mean())}
 
 
-def check_parity(stats: dict, max_gen_kl: float, version: int) -> None:
-    """Raise :class:`ParityError` if ``stats`` (from :func:`parity_stats`) exceed ``max_gen_kl``."""
+PARITY_HISTORY = 5
+"""Accepted refits whose median gen KL is the baseline of ``logger.parity_max_gen_kl_ratio``."""
+PARITY_RATIO_FLOOR = 1e-6
+"""The baseline is at least this, so that float32 noise (~1e-11) never makes a jump."""
+
+
+def check_parity(stats: dict, max_gen_kl: float, version: int, history: Sequence[float] = (),
+                 max_ratio: float = 0.0) -> None:
+    """Raise :class:`ParityError` if ``stats`` (from :func:`parity_stats`) exceed ``max_gen_kl``, or, with
+    ``max_ratio`` and a ``history`` of accepted gen KLs, ``max_ratio`` x their median (at least
+    :data:`PARITY_RATIO_FLOOR`): a wrong install can stay under any absolute limit on a model with
+    near-uniform outputs, yet it jumps by orders of magnitude over the run's own level."""
     kl = stats.get("gen_kl_error", 0.0)
+    baseline = max(float(np.median(history[-PARITY_HISTORY:])), PARITY_RATIO_FLOOR) if history else None
     if not kl <= max_gen_kl:  # NaN fails too
-        raise ParityError(f"parity probe after the refit to v{version}: gen KL {kl:.3g} > logger.parity_max_gen_kl "
-                          f"{max_gen_kl:g} (mean |d logprob| {stats['parity_mean_abs_logprob_diff']:.3g}, max "
-                          f"{stats['parity_max_abs_logprob_diff']:.3g}): the engines are not serving the "
-                          f"learner's weights")
+        why = f"gen KL {kl:.3g} > logger.parity_max_gen_kl {max_gen_kl:g}"
+    elif max_ratio and baseline is not None and kl > max_ratio * baseline:
+        why = (f"gen KL {kl:.3g} is {kl / baseline:.0f}x the median {baseline:.3g} of the last accepted refits "
+               f"(logger.parity_max_gen_kl_ratio {max_ratio:g})")
+    else:
+        return
+    raise ParityError(f"parity probe after the refit to v{version}: {why} (mean |d logprob| "
+                      f"{stats['parity_mean_abs_logprob_diff']:.3g}, max {stats['parity_max_abs_logprob_diff']:.3g}): "
+                      f"the engines are not serving the learner's weights")
 
 
 class StepTimer:
@@ -119,6 +136,8 @@ class LearnerJob:
         self.rejected: dict[str, int] = {}
         self.last_sample_error = ""  # why a sample of the last group dropped for too few valid samples failed
         self.parity_set: list[tuple[list[int], list[int]]] = []
+        self.parity_history: list[float] = []
+        """gen KL of the last accepted refits (the baseline of ``logger.parity_max_gen_kl_ratio``)."""
         self.step = 0
         self.version = int(learner.call("version"))
         self.refit = make_refit(recipe, pool, learner)
@@ -250,6 +269,7 @@ class LearnerJob:
         row["refit_bytes"] = self.last_refit.get("bytes", 0)
         if "pause_seconds_max" in self.last_refit:
             row["refit_pause_s"] = self.last_refit["pause_seconds_max"]
+            row["refit_install_s"] = self.last_refit["install_seconds_max"]
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.buffer)
         row.update({f"dropped_{k}": v for k, v in self.buffer.drops.items()})
@@ -267,20 +287,28 @@ class LearnerJob:
         if not self.parity_set:
             return {}
         prompts, responses = [p for p, _ in self.parity_set], [r for _, r in self.parity_set]
-        eng = self.pool.logprobs_of.remote(prompts, responses).result(timeout_s=300)
-        return parity_stats(eng, self.learner.call("logprobs", prompts, responses))
+        engine_side = self.pool.logprobs_of.remote(prompts, responses)  # runs while the learner scores its side
+        mine = self.learner.call("logprobs", prompts, responses)
+        return parity_stats(engine_side.result(timeout_s=300), mine)
 
     def checked_parity(self) -> dict:
         """:meth:`parity_probe`; on a failure push the weights once more and probe again, then give up."""
-        limit = self.recipe.logger.parity_max_gen_kl
+        cfg = self.recipe.logger
+        history = self.parity_history
+
+        def check(stats: dict) -> None:
+            check_parity(stats, cfg.parity_max_gen_kl, self.version, history, cfg.parity_max_gen_kl_ratio)
+
         stats = self.parity_probe()
         try:
-            check_parity(stats, limit, self.version)
+            check(stats)
         except ParityError as exc:
             log.warning("%s; pushing the weights again", exc)
             self.push_weights(reset=True)
             stats = self.parity_probe()
-            check_parity(stats, limit, self.version)
+            check(stats)
+        if "gen_kl_error" in stats:
+            history[:] = (history + [stats["gen_kl_error"]])[-PARITY_HISTORY:]
         return stats
 
     # ------------------------------------------------------------ checkpoints

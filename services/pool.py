@@ -473,8 +473,13 @@ class RolloutPool:
             self.metrics.policy_version.set(version)
             self.metrics.refit_seconds.observe(seconds)
             self.metrics.refit_bytes.inc(sum(r["bytes"] for r in results))
+            for r in results:
+                self.metrics.refit_pause_seconds.observe(r["pause_s"])
+                self.metrics.weight_installs.labels(path=r["install_path"]).inc()
             return {"version": version, "seconds": seconds, "bytes": max(r["bytes"] for r in results),
-                    "engines": len(eids), "pause_seconds_max": max(r["pause_s"] for r in results)}
+                    "engines": len(eids), "pause_seconds_max": max(r["pause_s"] for r in results),
+                    "install_seconds_max": max(r["install_s"] for r in results),
+                    "install_paths": sorted({r["install_path"] for r in results})}
 
     def _group_failures(self, eids: list[str], results: list) -> dict[str, BaseException]:
         """The engines of a weight-group call that failed; those whose process died are marked down (the

@@ -84,6 +84,8 @@ def test_collective_push_installs_the_weights_and_reset_restores_them(harness, s
     before, _ = greedy_tokens(harness)
     v = engine.version
     assert sender.push(v + 1, _torch_tensors(tiny_model_dir_v2)) == v + 1 == engine.version
+    first = engine.stats()
+    assert first["install_path_last"] == "checked"  # plain load_weights vs reload_weights, decided here
     changed, group = greedy_tokens(harness)
     assert changed != before
     assert all((t.versions == v + 1).all() for t in group.trajectories)
@@ -97,8 +99,10 @@ def test_collective_push_installs_the_weights_and_reset_restores_them(harness, s
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
     assert sender.push(v, _torch_tensors(tiny_model_dir), reset=True) == v == engine.version
     restored, _ = greedy_tokens(harness)
-    assert restored == before
+    assert restored == before  # on whichever path the check chose
     stats = engine.stats()
+    assert stats["install_path_last"] == ("reload" if stats["direct_load_refused"] else "direct")
+    print(f"\ninstall path after the check: {stats['install_path_last']} {stats['direct_load_refused']}")
     print(f"\ncollective push over gloo: {stats['refit_seconds_last'] * 1e3:.0f} ms, "
           f"pause {stats['pause_seconds_last'] * 1e3:.0f} ms")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,9 +121,16 @@ def test_async_run_with_collective_refit(pool, tmp_path):
     assert all(r["trajectory_age_mean"] == 1.0 for r in got[1:])
     assert all(r["gen_kl_error"] < 1.5e-3 for r in got)                   # what the engine installed is v
     assert all(r["parity_max_abs_logprob_diff"] < 1e-3 for r in got)
-    assert all(r["refit_bytes"] > 0 and r["refit_pause_s"] > 0 for r in got)
+    assert all(r["refit_bytes"] > 0 and r["refit_pause_s"] >= r["refit_install_s"] > 0 for r in got)
     status = httpx.get(f"{url}/v1/status", timeout=10).json()
     assert status["version"] == 3 and all(e["version"] == 3 for e in status["engines"].values())
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    value = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.M).group(1))  # noqa: E731
+    # the first push decides plain load vs reload; the CPU backend repacks its linear weights, so it reloads
+    checked = value('inflight_weight_installs_total{path="checked"}')
+    reloaded = value('inflight_weight_installs_total{path="reload"}')
+    assert checked == 1 and reloaded >= 3 and 'path="direct"' not in metrics
+    assert value("inflight_refit_pause_seconds_count") == checked + reloaded
 
 
 def _attach(ray_address: str, run_dir: Path, steps: int, *overrides: str) -> subprocess.Popen:

@@ -187,11 +187,26 @@ def test_parity_check_passes_close_logprobs_and_names_a_scrambled_engine():
         check_parity({**close, "gen_kl_error": float("nan")}, 0.1, 4)
 
 
+def test_parity_check_stops_a_jump_over_the_runs_own_level_below_the_absolute_limit():
+    # measured on H200, random MoE with FlashInfer CUTLASS: reload_weights 2.6e-6, plain load_weights 3.0e-4
+    right, wrong = (dict(gen_kl_error=kl, parity_mean_abs_logprob_diff=0.0, parity_max_abs_logprob_diff=0.0)
+                    for kl in (2.6e-6, 3.0e-4))
+    check_parity(wrong, 0.01, 7)                                     # under the absolute limit
+    check_parity(wrong, 0.01, 7, history=[], max_ratio=20.0)         # no history yet: nothing to compare
+    check_parity(right, 0.01, 7, history=[2.5e-6, 2.7e-6], max_ratio=20.0)
+    with pytest.raises(ParityError, match=r"v7: gen KL 0.0003 is 115x the median 2.6e-06 .*ratio 20\)"):
+        check_parity(wrong, 0.01, 7, history=[2.6e-6], max_ratio=20.0)
+    check_parity(wrong, 0.01, 7, history=[2.6e-6], max_ratio=0.0)  # disabled
+    # float32 noise far below the floor never makes a jump
+    check_parity(dict(right, gen_kl_error=1e-9), 0.01, 7, history=[1e-11, 2e-11], max_ratio=20.0)
+
+
 @pytest.mark.parametrize("bad_probes,pushes,raises", [(0, 0, False), (1, 1, False), (2, 1, True)])
 def test_failed_parity_pushes_again_once_then_stops(bad_probes, pushes, raises):
     job = LearnerJob.__new__(LearnerJob)
     job.version = 2
-    job.recipe = type("R", (), {"logger": type("L", (), {"parity_max_gen_kl": 0.1})})
+    job.recipe = type("R", (), {"logger": type("L", (), {"parity_max_gen_kl": 0.1, "parity_max_gen_kl_ratio": 20.0})})
+    job.parity_history = []
     probes, pushed = iter([5.0] * bad_probes + [1e-6] * 2), []
     job.parity_probe = lambda: {"gen_kl_error": next(probes), "parity_mean_abs_logprob_diff": 1.0,
                                 "parity_max_abs_logprob_diff": 2.0}
@@ -201,6 +216,7 @@ def test_failed_parity_pushes_again_once_then_stops(bad_probes, pushes, raises):
             job.checked_parity()
     else:
         assert job.checked_parity()["gen_kl_error"] == 1e-6
+        assert job.parity_history == [1e-6]
     assert pushed == [True] * pushes
 class _Undelivered:
     def __init__(self, records: list[dict]):
