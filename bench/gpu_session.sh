@@ -15,8 +15,9 @@
 #                                 # step breakdown of A (collective refit, direct load)
 #   bash bench/gpu_session.sh F   # the MoE parity test (GPU 0) beside the refit bench (both GPUs); then, if plain
 #                                 # load was proven for the dense model, the step breakdown of E again
+#   bash bench/gpu_session.sh G   # the step breakdown of E alone (a second sample)
 set -u
-PHASE=${1:?phase A, B, C, D, E or F}
+PHASE=${1:?phase A, B, C, D, E, F or G}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -119,6 +120,11 @@ F)
       --out "$OUT/step_breakdown_h200x2_direct.json" policy.model_name=$dense $SHAPE \
       policy.refit_transport=collective
   fi
+  ;;
+G)
+  step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+    --out "$OUT/step_breakdown_h200x2_direct_run2.json" policy.model_name=$dense $SHAPE \
+    policy.refit_transport=collective
   ;;
 esac
 
