@@ -25,10 +25,12 @@ not conclusive: it runs again on the next push. Otherwise plain load is
 *proven* for this engine when ``plain == reloaded`` for every tensor (plain
 load writes in place, into the storage CUDA graphs read). A derived tensor
 that plain load leaves stale, a reordered half or a repacked copy makes them
-differ, and the engine keeps ``reload_weights`` for good. The fingerprint is :func:`protocol.weight_transfer.device_checksum`
-of each tensor's bytes (computed on its device, one host sync for all).
-The parity probe after every refit (``logger.parity_max_gen_kl``) still
-guards the result.
+differ, and the engine keeps ``reload_weights`` for good. A proven plain
+load that later raises (a push with other tensors) is repaired by
+``reload_weights`` and never tried again. The fingerprint is
+:func:`protocol.weight_transfer.device_checksum` of each tensor's bytes
+(computed on its device, one host sync per device). The parity probe after
+every refit (``logger.parity_max_gen_kl``) still guards the result.
 """
 from __future__ import annotations
 
@@ -93,8 +95,14 @@ class DirectLoad:
         """Install ``weights()`` (called once per pass) into ``model``; returns the path taken:
         ``direct``, ``reload``, or ``checked`` (both ran; the engine ends on reload's result)."""
         if self.proven:
-            model.load_weights(weights())
-            return "direct"
+            try:
+                model.load_weights(weights())
+                return "direct"
+            except Exception as exc:  # e.g. a push with other tensors than the proven ones: repair, stop trusting
+                self.proven = False
+                self.refused_reason = f"plain load_weights raised {type(exc).__name__} after being proven: {exc}"[:300]
+                reload(weights())
+                return "reload"
         if self.proven is False:
             reload(weights())
             return "reload"

@@ -79,6 +79,17 @@ def test_plain_load_that_raises_is_refused_and_repaired_by_reload():
     assert direct.proven is False and "KeyError" in direct.refused_reason
 
 
+def test_a_proven_plain_load_that_raises_later_falls_back_to_reload_for_good():
+    model, direct = Fused(), DirectLoad()
+    direct.install(model, weights(1.0), model.reload)
+    assert direct.proven is True
+    odd = lambda: iter([("gate", torch.full((2, 3), 4.0)), ("extra", torch.ones(1))])  # noqa: E731
+    assert direct.install(model, odd, lambda w: model.reload([x for x in w if x[0] != "extra"])) == "reload"
+    assert direct.proven is False and "after being proven" in direct.refused_reason
+    assert torch.equal(model.gate_up[:2], torch.full((2, 3), 4.0))
+    assert direct.install(model, weights(1.0), model.reload) == "reload"
+
+
 def test_disabled_always_reloads():
     model, direct = Fused(), DirectLoad(enabled=False)
     assert direct.install(model, weights(1.0), model.reload) == "reload"
