@@ -35,6 +35,18 @@ step() {  # step NAME SECONDS CMD...: run CMD with a deadline, log to $OUT/NAME.
   echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s (limit $secs s)"
   tail -n 25 "$OUT/$name.log" | cut -c1-400
 }
+breakdown() {  # breakdown OUT_JSON SECONDS: sync vs async step breakdown, dense 0.6B, collective refit
+  step step_breakdown "$2" $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
+    --out "$OUT/$1" policy.model_name=$dense $SHAPE policy.refit_transport=collective
+}
+throughput() {  # throughput NAME SECONDS [--eager]: pool engine vs raw vLLM, 0.6B, 32 x 16 x 256 tokens
+  step "$1" "$2" $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 --max-tokens 256 --repeats 1 \
+    --variants llm,rollout_engine "${@:3}"
+}
+moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
+  step moe_parity_test "$1" $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
+    -p no:cacheprovider
+}
 dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
 [ -d $dense ] || $PY -m services.cli make-tiny-model $dense --arch qwen2 --size 0.6b --dtype bfloat16 > /dev/null
@@ -43,9 +55,7 @@ SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256
 
 case $PHASE in
 A)
-  step step_breakdown 420 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
-    --out "$OUT/step_breakdown_h200x2_collective.json" policy.model_name=$dense $SHAPE \
-    policy.refit_transport=collective
+  breakdown step_breakdown_h200x2_collective.json 420
   step moe_async_loop 240 $PY -m services.cli run --recipe recipes/gpu-2xh200-async.yaml --steps 3 \
     --run-dir "$OUT/moe_async" policy.model_name=$moe $SHAPE policy.refit_transport=collective \
     policy.generation.vllm_cfg.moe_backend=flashinfer_cutlass logger.tensorboard_enabled=false \
@@ -61,31 +71,24 @@ B)
   ) > "$OUT/track0.txt" 2>&1 &
   (
     export CUDA_VISIBLE_DEVICES=1
-    step moe_parity_test 210 $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
-      -p no:cacheprovider
-    step throughput_graphs 180 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
-      --max-tokens 256 --repeats 1 --variants llm,rollout_engine
-    step throughput_eager 160 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
-      --max-tokens 256 --repeats 1 --variants llm,rollout_engine --eager
+    moe_parity 210
+    throughput throughput_graphs 180
+    throughput throughput_eager 160 --eager
   ) > "$OUT/track1.txt" 2>&1 &
   wait
   cat "$OUT/track0.txt" "$OUT/track1.txt"
   ;;
 C)
-  CUDA_VISIBLE_DEVICES=0 step moe_parity_test 200 $PY -m pytest -m gpu -x -q -s \
-    tests/integration/services/test_gpu_moe_parity.py -p no:cacheprovider > "$OUT/track0.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 moe_parity 200 > "$OUT/track0.txt" 2>&1 &
   step start_case 90 $PY bench/vllm_start_matrix.py --gpus 1 --deadline-s 75 --cases 0,0,0 > "$OUT/track1.txt" 2>&1
   wait
   cat "$OUT/track0.txt" "$OUT/track1.txt"
-  step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
-    --out "$OUT/step_breakdown_h200x2_collective.json" policy.model_name=$dense $SHAPE \
-    policy.refit_transport=collective
+  breakdown step_breakdown_h200x2_collective.json 330
   ;;
 D)
   (
     export CUDA_VISIBLE_DEVICES=0
-    step throughput_eager 230 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
-      --max-tokens 256 --repeats 1 --variants llm,rollout_engine --eager
+    throughput throughput_eager 230 --eager
     step moe_sync_loop 320 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 3 \
       --run-dir "$OUT/moe_sync" policy.model_name=$moe $SHAPE \
       policy.generation.vllm_cfg.moe_backend=flashinfer_cutlass logger.tensorboard_enabled=false \
@@ -93,38 +96,29 @@ D)
   ) > "$OUT/track0.txt" 2>&1 &
   (
     export CUDA_VISIBLE_DEVICES=1
-    step moe_parity_test 230 $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
-      -p no:cacheprovider
-    step throughput_graphs 320 $PY bench/rollout_throughput.py --size 0.6b --prompts 32 --group 16 \
-      --max-tokens 256 --repeats 1 --variants llm,rollout_engine
+    moe_parity 230
+    throughput throughput_graphs 320
   ) > "$OUT/track1.txt" 2>&1 &
   wait
   cat "$OUT/track0.txt" "$OUT/track1.txt"
   ;;
 E)
   step refit 200 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_direct.json"
-  step step_breakdown 360 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
-    --out "$OUT/step_breakdown_h200x2_direct.json" policy.model_name=$dense $SHAPE \
-    policy.refit_transport=collective
+  breakdown step_breakdown_h200x2_direct.json 360
   ;;
 F)
-  CUDA_VISIBLE_DEVICES=0 step moe_parity_test 230 $PY -m pytest -m gpu -x -q -s \
-    tests/integration/services/test_gpu_moe_parity.py -p no:cacheprovider > "$OUT/track0.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 moe_parity 230 > "$OUT/track0.txt" 2>&1 &
   step refit 200 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_direct.json" > "$OUT/track1.txt" 2>&1
   wait
   cat "$OUT/track0.txt" "$OUT/track1.txt"
   if grep -q "direct load refused" "$OUT/refit.log"; then
     echo "[step_breakdown] skipped: plain load_weights was not proven for the dense model"
   else
-    step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
-      --out "$OUT/step_breakdown_h200x2_direct.json" policy.model_name=$dense $SHAPE \
-      policy.refit_transport=collective
+    breakdown step_breakdown_h200x2_direct.json 330
   fi
   ;;
 G)
-  step step_breakdown 330 $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
-    --out "$OUT/step_breakdown_h200x2_direct_run2.json" policy.model_name=$dense $SHAPE \
-    policy.refit_transport=collective
+  breakdown step_breakdown_h200x2_direct_run2.json 330
   ;;
 esac
 
