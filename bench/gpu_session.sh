@@ -16,8 +16,10 @@
 #   bash bench/gpu_session.sh F   # the MoE parity test (GPU 0) beside the refit bench (both GPUs); then, if plain
 #                                 # load was proven for the dense model, the step breakdown of E again
 #   bash bench/gpu_session.sh G   # the step breakdown of E alone (a second sample)
+#   bash bench/gpu_session.sh H   # the MoE model: async on 2 GPUs with the collective refit, then colocated sync
+#                                 # on 2 GPUs with expert parallelism in the learner (EP=2) and two engines
 set -u
-PHASE=${1:?phase A, B, C, D, E, F or G}
+PHASE=${1:?phase A to H}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -119,6 +121,15 @@ F)
   ;;
 G)
   breakdown step_breakdown_h200x2_direct_run2.json 330
+  ;;
+H)
+  MOE="policy.model_name=$moe $SHAPE policy.generation.vllm_cfg.moe_backend=flashinfer_cutlass \
+    logger.tensorboard_enabled=false checkpointing.enabled=false"
+  step moe_async_loop 260 $PY -m services.cli run --recipe recipes/gpu-2xh200-async.yaml --steps 4 \
+    --run-dir "$OUT/moe_async" $MOE policy.refit_transport=collective
+  step moe_ep2_sync_loop 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 3 \
+    --run-dir "$OUT/moe_ep2_sync" $MOE cluster.gpus_per_node=2 rollout_pool.num_engines=2 \
+    policy.megatron_cfg.expert_model_parallel_size=2
   ;;
 esac
 
