@@ -160,7 +160,9 @@ class Learner:
         budget = self.packing.train_mb_tokens
         return pack(sequences, budget, self.packing.enabled)
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """The device the model's parameters live on."""
         return next(self.gpt.parameters()).device
 
     # ------------------------------------------------------------------ training
@@ -172,13 +174,13 @@ class Learner:
         dp_rank, dp_size, dp_group = self._dp()
         micro_batches, fill = self._pack([s.tokens for s in batch.samples]) if batch.samples else ([], 0.0)
         mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
-        mine = [mb.to(self._device()) for mb in mine]
+        mine = [mb.to(self.device) for mb in mine]
         prompt_lens = [s.prompt_len for s in batch.samples]
 
         self.model.train()
         lp_ref = self._logprobs_by_index(self.reference, mine, prompt_lens) if self.reference is not None else None
         local_tokens = sum(sl.stop - sl.start for mb in mine for sl in response_slices(mb, prompt_lens))
-        n_global = torch.tensor([local_tokens], dtype=torch.float64, device=self._device())  # NCCL: on the GPU
+        n_global = torch.tensor([local_tokens], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
         n_global_f = float(n_global.item())
 
@@ -200,7 +202,7 @@ class Learner:
             mb_loss.backward()
             stats.add(parts, float(mb_loss.detach()))
         self.model.finish_grad_sync()
-        stats.all_reduce(dp_group, self._device())
+        stats.all_reduce(dp_group, self.device)
 
         nonfinite_loss = not np.isfinite(stats.loss)
         nonfinite_grad = self._any_nonfinite_grad()
@@ -252,7 +254,7 @@ class Learner:
 
     def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                       lp_ref: dict[int, torch.Tensor] | None) -> TokenInputs:
-        dev = self._device()
+        dev = self.device
         idx = [seg.index for seg in mb.segments]
         lp_gen = torch.cat([torch.from_numpy(samples[i].lp_gen) for i in idx]).to(dev)
         adv = torch.cat([torch.full((samples[i].lp_gen.size,), samples[i].advantage) for i in idx]).to(dev)
@@ -260,7 +262,7 @@ class Learner:
                            lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None)
 
     def _any_nonfinite_grad(self) -> bool:
-        bad = torch.zeros(1, device=self._device())
+        bad = torch.zeros(1, device=self.device)
         for buf in self.model.buffers + self.model.expert_parallel_buffers:
             if not torch.isfinite(buf.grad_data).all():
                 bad.fill_(1.0)
@@ -279,7 +281,7 @@ class Learner:
         budget = max(self.packing.train_mb_tokens, max((s.size for s in seqs), default=1))
         micro_batches, _ = pack(seqs, budget, self.packing.enabled)
         self.model.eval()
-        lps = response_logprobs_no_grad(self.model, [mb.to(self._device()) for mb in micro_batches],
+        lps = response_logprobs_no_grad(self.model, [mb.to(self.device) for mb in micro_batches],
                                         [len(p) for p in prompt_ids], len(seqs))
         return [lp.float().numpy() for lp in lps]
 

@@ -66,7 +66,7 @@ class LearnerActor:
         if self.rank != 0:
             return
         self.leave_weight_group()
-        device = self.learner._device()
+        device = self.learner.device
         self._weight_group = WeightTransferGroup(host, port, 0, world_size, device, timeout_s)
 
     def leave_weight_group(self) -> None:

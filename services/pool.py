@@ -22,7 +22,8 @@ Faults (docs/reliability.md):
   engine's ``generate`` call returns. If the actor's process dies the call
   fails with ``RayActorError``: the engine is marked down and the batch's
   prompts are re-queued. Ray restarts the actor; the health watcher (every
-  ``HEALTH_PERIOD_S``) starts its vLLM engine again and installs the current
+  ``HEALTH_PERIOD_S``, one task per engine, so a restart does not hold up the
+  other engines' checks) starts its vLLM engine again and installs the current
   weights (``reset=True``) before the engine takes work, then the re-queued
   prompts go to the healthy engines (prompts submitted while no engine is
   healthy wait the same way). Groups the dead engine had already delivered
@@ -195,26 +196,41 @@ class RolloutPool:
         return await asyncio.wait_for(engine.start.remote(), timeout_s)
 
     async def _watch_engines(self) -> None:
+        """Every ``HEALTH_PERIOD_S``: check the learner, then each engine in a task of its own, so that one
+        engine restarting (tens of seconds while vLLM starts) does not hold up the checks of the others."""
         await self._ready.wait()
-        while True:
-            await asyncio.sleep(HEALTH_PERIOD_S)
-            await self._check_learner()
-            for eid, eng in self.engines.items():
-                try:
-                    h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
-                    if not h["ok"]:
-                        await asyncio.wait_for(eng.start.remote(), 600)
-                        h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
-                    if h["version"] != self.version and self._latest_weights is not None:
-                        async with self._refit_lock:
-                            await self._apply_to(eid, *self._latest_weights, reset=True)
-                        h["version"] = self.version
-                    self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
-                    self.metrics.engine_up.labels(engine=eid).set(1)
-                    self._count(eid, await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S))
-                except Exception as exc:  # noqa: BLE001 - recorded, retried next period
-                    self._mark_down(eid, exc)
-            self._send_waiting()
+        checks: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(HEALTH_PERIOD_S)
+                await self._check_learner()
+                for eid in self.engines:
+                    if eid not in checks or checks[eid].done():
+                        checks[eid] = asyncio.get_running_loop().create_task(self._check_engine(eid))
+                self._send_waiting()
+        finally:
+            for task in checks.values():
+                task.cancel()
+
+    async def _check_engine(self, eid: str) -> None:
+        """Health-check one engine; restart its vLLM engine if it is down and bring it to the pool's
+        version before it takes work again."""
+        eng = self.engines[eid]
+        try:
+            h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
+            if not h["ok"]:
+                await asyncio.wait_for(eng.start.remote(), 600)
+                h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
+            if h["version"] != self.version and self._latest_weights is not None:
+                async with self._refit_lock:
+                    await self._apply_to(eid, *self._latest_weights, reset=True)
+                h["version"] = self.version
+            self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
+            self.metrics.engine_up.labels(engine=eid).set(1)
+            self._count(eid, await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - recorded, retried next period
+            self._mark_down(eid, exc)
+        self._send_waiting()
 
     async def _check_learner(self) -> None:
         """A learner whose channel is gone (its job ended or was killed) is detached."""

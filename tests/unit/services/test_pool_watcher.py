@@ -1,0 +1,72 @@
+"""The pool's health watcher: one engine restarting does not hold up the checks of the others."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services import pool as pool_module
+from services.metrics import PoolMetrics
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeEngine:
+    """``health``/``start``/``stats`` like an EngineActor handle; ``start`` can be held open."""
+
+    def __init__(self, ok: bool):
+        self.ok, self.health_calls, self.starts = ok, 0, 0
+        self.release = asyncio.Event()
+        self.health = _Method(self._health)
+        self.start = _Method(self._start)
+        self.stats = _Method(self._stats)
+
+    async def _health(self):
+        self.health_calls += 1
+        return {"ok": self.ok, "version": 0, "pid": 1}
+
+    async def _start(self):
+        self.starts += 1
+        await self.release.wait()  # vLLM takes tens of seconds to start
+        self.ok = True
+
+    async def _stats(self):
+        return {"pid": 1, "tokens_generated": 0, "groups": 0}
+
+
+def _pool(engines: dict) -> object:
+    pool = object.__new__(pool_module.RolloutPool.func_or_class)
+    pool.name, pool.engines, pool.version, pool._latest_weights = "p", engines, 0, None
+    pool.engine_state = {e: {"up": True} for e in engines}
+    pool.metrics, pool._counted, pool._waiting = PoolMetrics(), {}, []
+    pool._ready = asyncio.Event()
+    pool._ready.set()
+    pool.channel = None
+    return pool
+
+
+def test_a_restarting_engine_does_not_hold_up_the_checks_of_the_others(monkeypatch):
+    # Serve's decorator copies the class: its methods read a copy of the module's globals
+    monkeypatch.setitem(pool_module.RolloutPool.func_or_class._watch_engines.__globals__, "HEALTH_PERIOD_S", 0.01)
+
+    async def scenario():
+        down, healthy = FakeEngine(ok=False), FakeEngine(ok=True)
+        pool = _pool({"e0": down, "e1": healthy})
+        watcher = asyncio.get_running_loop().create_task(pool._watch_engines())
+        await asyncio.sleep(0.3)
+        assert down.starts == 1                      # one restart in flight, not one per period
+        assert healthy.health_calls >= 5             # checked every period meanwhile
+        down.release.set()
+        await asyncio.sleep(0.1)
+        assert pool.engine_state["e0"]["up"] is True and down.health_calls >= 2
+        watcher.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watcher
+
+    asyncio.run(scenario())
