@@ -12,7 +12,8 @@ like the algorithm; this class holds the machinery behind each line:
   counted as ``duplicate`` and ignored; prompts the pool reports as
   undelivered — an engine found the channel full for
   ``rollout_pool.channel_send_timeout_s`` — are dropped as ``undelivered`` and
-  replaced), bounded by a deadline;
+  replaced; replacements of failed prompts back off, :mod:`services.backoff`),
+  bounded by a deadline;
 - ``train(groups)``   one optimizer step on the learner ranks;
 - ``push_weights()``  move the learner's weights to every engine (in flight: the
   engines keep generating) by the recipe's transport (:mod:`services.refit`),
@@ -34,6 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from protocol import ControlMessage, ProtocolError, PromptRequest, TrajectoryGroup, decode, encode
+from services.backoff import ReplacementBackoff
 from services.buffer import TrajectoryBuffer
 from services.channel import ChannelTimeout, TrajectoryChannel
 from services.data import PromptSource
@@ -134,6 +136,7 @@ class LearnerJob:
         self.open_requests: dict[str, PromptRequest] = {}
         self.buffer = TrajectoryBuffer(max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0)
         self.rejected: dict[str, int] = {}
+        self.backoff = ReplacementBackoff()
         self.last_sample_error = ""  # why a sample of the last group dropped for too few valid samples failed
         self.parity_set: list[tuple[list[int], list[int]]] = []
         self.parity_history: list[float] = []
@@ -169,18 +172,23 @@ class LearnerJob:
             bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.3f}",
                             age=f"{row.get('trajectory_age_mean', float('nan')):.2f}", v=self.version)
 
-    def schedule(self, step: int, n: int | None = None) -> None:
+    def schedule(self, step: int, n: int | None = None, delay_s: float = 0.0) -> None:
+        """Draw ``n`` prompts for ``step`` and submit them to the pool, after ``delay_s`` (see services.backoff)."""
         if step > self.last_step:
             return
         requests = self.source.next(n or self.n_per_step, step)
         for r in requests:
             self.ledger.schedule(r.prompt_id, step)
             self.open_requests[r.prompt_id] = r
-        self._submit(requests)
+        if delay_s > 0:
+            self.backoff.hold(requests, delay_s)
+        else:
+            self._submit(requests)
 
     def collect(self, step: int) -> list:
         deadline = time.monotonic() + self.collect_timeout_s
         next_poll = time.monotonic()  # at once, then every UNDELIVERED_POLL_S
+        ready = self.buffer.ready(step)
         while True:
             if time.monotonic() >= next_poll:
                 self.drop_undelivered()
@@ -190,7 +198,13 @@ class LearnerJob:
                     self.last_sample_error = next((t.error for t in group.trajectories if t.error),
                                                   self.last_sample_error)
                 self._drop(group.prompt_id, reason, replace_for=step)
-            if self.buffer.ready(step) >= self.n_per_step:
+            if self.buffer.ready(step) > ready:  # a group passed screening: failures are no longer in a row
+                self.backoff.succeeded()
+            ready = self.buffer.ready(step)
+            held = self.backoff.due()
+            if held:
+                self._submit(held)
+            if ready >= self.n_per_step:
                 return self.buffer.take(step, self.n_per_step)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -202,7 +216,7 @@ class LearnerJob:
                                   + (f"; last failed sample: {self.last_sample_error}" if self.last_sample_error
                                      else "") + ")")
             try:
-                self._receive(self.channel.recv(min(left, 5.0)))
+                self._receive(self.channel.recv(max(0.01, min(left, 5.0, self.backoff.next_due_in() or 5.0))))
             except ChannelTimeout:
                 if self.refit.engines_waiting():  # a restarted engine waits for our weights
                     self.push_weights(reset=True)
@@ -386,7 +400,7 @@ class LearnerJob:
         self.ledger.mark_dropped(prompt_id, reason)
         self.open_requests.pop(prompt_id, None)
         self._reject(reason)
-        self.schedule(replace_for, n=1)
+        self.schedule(replace_for, n=1, delay_s=self.backoff.delay_after(reason))
 
     def _buffered_ids(self) -> set[str]:
         return {b.group.prompt_id for b in self.buffer.all_groups()}

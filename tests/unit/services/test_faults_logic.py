@@ -1,13 +1,16 @@
-"""Pure fault-handling logic: duplicate groups at the learner, refit retries, refit failure reasons."""
+"""Pure fault-handling logic: duplicate groups at the learner, refit retries, refit failure reasons, parity checks,
+replacement back-off."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from protocol import ControlMessage, Trajectory, TrajectoryGroup, encode
+from protocol import ControlMessage, PromptRequest, Trajectory, TrajectoryGroup, decode, encode
+from services.backoff import ReplacementBackoff
 from services.buffer import TrajectoryBuffer
-from services.job import REFIT_ATTEMPTS, LearnerJob, ParityError, check_parity, parity_stats
+from services.job import REFIT_ATTEMPTS, LearnerJob, ParityError, StepTimeout, check_parity, parity_stats
 from services.ledger import PromptLedger
 from services.pool import _refit_failure_reason
 from services.refit import CollectiveRefit, ObjectStoreRefit
@@ -22,8 +25,8 @@ def receiving_job() -> LearnerJob:
     """A LearnerJob with just the state ``_receive`` uses (no pool, learner or channel)."""
     job = LearnerJob.__new__(LearnerJob)
     job.ledger, job.buffer, job.rejected, job.open_requests, job.step = PromptLedger(), TrajectoryBuffer(1), {}, {}, 0
-    job.rescheduled = []
-    job.schedule = lambda step, n=None: job.rescheduled.append((step, n))
+    job.rescheduled, job.backoff = [], ReplacementBackoff()
+    job.schedule = lambda step, n=None, delay_s=0.0: job.rescheduled.append((step, n))
     return job
 
 
@@ -277,3 +280,97 @@ def test_a_quiet_channel_pushes_the_weights_to_an_engine_waiting_for_them(waitin
     job.push_weights = lambda reset=False: pushes.append(reset)
     assert [b.group.prompt_id for b in job.collect(1)] == ["a"]
     assert pushes == ([True, True] if waiting else [])
+
+
+def test_replacement_backoff_doubles_per_failure_in_a_row_and_starts_again_after_a_good_group():
+    now = [100.0]
+    backoff = ReplacementBackoff(base_s=0.5, max_s=4.0, clock=lambda: now[0])
+    assert [backoff.delay_after("too_few_valid_samples") for _ in range(6)] == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0]
+    assert backoff.delay_after("stale") == 0.0 and backoff.failures_in_a_row == 6  # not a failure of the pool
+    for _ in range(2000):  # hours of failures in a row stay at the cap
+        assert backoff.delay_after("generation_failed") <= 4.0
+    backoff.succeeded()
+    assert backoff.delay_after("generation_failed") == 0.0 and backoff.delay_after("undelivered") == 0.5
+    backoff.hold(["a"], 1.0)
+    backoff.hold(["b", "c"], 0.25)
+    assert backoff.next_due_in() == 0.25 and backoff.due() == []
+    now[0] += 0.5
+    assert backoff.due() == ["b", "c"] and backoff.next_due_in() == 0.5
+    now[0] += 0.5
+    assert backoff.due() == ["a"] and backoff.next_due_in() is None
+
+
+class _FailingPool:
+    """A pool whose engines fail every prompt at once: each submitted prompt comes back as a group with no
+    valid sample; after ``heal_after`` submissions its groups are good."""
+
+    def __init__(self, channel, heal_after: int | None = None):
+        self.channel, self.heal_after, self.submitted = channel, heal_after, []
+        self.take_undelivered = _Undelivered([])
+
+    @property
+    def submit(self):
+        return self
+
+    def remote(self, encoded: list[bytes], group_size: int):
+        for data in encoded:
+            req = decode(data)
+            self.submitted.append((time.monotonic(), req.prompt_id))
+            good = self.heal_after is not None and len(self.submitted) > self.heal_after
+            trajs = [Trajectory([1, 2], [-0.5, -0.25], [0, 0], float(i) if good else None,
+                                "stop" if good else "error", "" if good else "engine on fire") for i in range(2)]
+            self.channel.queue.append(encode(TrajectoryGroup(f"g-{req.prompt_id}", req.prompt_id, [5], trajs, 2, 16,
+                                                             scheduled_step=req.scheduled_step)))
+        return self
+
+    def result(self, timeout_s: float):
+        return None
+
+
+class _ListChannel:
+    def __init__(self):
+        self.queue = []
+
+    def recv(self, timeout_s: float) -> bytes:
+        from services.channel import ChannelTimeout
+        if self.queue:
+            return self.queue.pop(0)
+        time.sleep(timeout_s)
+        raise ChannelTimeout("empty")
+
+
+def _collecting_job(pool, channel, collect_timeout_s: float) -> LearnerJob:
+    from services.data import PromptSource
+    job = LearnerJob.__new__(LearnerJob)
+    job.ledger, job.buffer, job.rejected, job.open_requests, job.step = PromptLedger(), TrajectoryBuffer(1), {}, {}, 0
+    job.id, job.version, job.n_per_step, job.group_size, job.last_step = "learner-x", 0, 1, 2, 10
+    job.collect_timeout_s, job.last_sample_error = collect_timeout_s, ""
+    job.recipe = type("R", (), {"rollout_pool": type("P", (), {"name": "p"})})
+    job.source = PromptSource([PromptRequest(f"p{i}", [1, 2, 3]) for i in range(8)], seed=0)
+    job.backoff = ReplacementBackoff(base_s=0.05, max_s=0.2)
+    job.pool, job.channel = pool, channel
+    job.refit = type("Refit", (), {"engines_waiting": lambda self: False})()
+    return job
+
+
+def test_a_pool_failing_every_prompt_at_once_costs_a_few_prompts_not_hundreds():
+    channel = _ListChannel()
+    pool = _FailingPool(channel)
+    job = _collecting_job(pool, channel, collect_timeout_s=1.0)
+    job.schedule(1)
+    with pytest.raises(StepTimeout, match="too_few_valid_samples"):
+        job.collect(1)
+    # 0, 0.05, 0.1, 0.2, 0.2, ... s apart: about 8 in 1 s (at once: thousands)
+    assert 4 <= len(pool.submitted) <= 12, len(pool.submitted)
+    gaps = [b[0] - a[0] for a, b in zip(pool.submitted, pool.submitted[1:])]
+    assert max(gaps) >= 0.19 and all(g < 0.5 for g in gaps)
+    assert set(job.ledger.scheduled) == {pid for _, pid in pool.submitted} | set(job.ledger.pending())
+
+
+def test_after_the_pool_recovers_the_step_completes_and_the_failure_count_starts_again():
+    channel = _ListChannel()
+    pool = _FailingPool(channel, heal_after=3)
+    job = _collecting_job(pool, channel, collect_timeout_s=5.0)
+    job.schedule(1)
+    assert len(job.collect(1)) == 1
+    assert job.backoff.failures_in_a_row == 0 and len(pool.submitted) == 4
