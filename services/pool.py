@@ -66,6 +66,10 @@ log = logging.getLogger("inflight.pool")
 app = FastAPI(title="Inflight rollout pool", version="1")
 HEALTH_PERIOD_S = 5.0
 HEALTH_TIMEOUT_S = 10.0
+HEALTH_TIMEOUTS_TO_DOWN = 3
+"""Health checks in a row that may time out before an engine counts as down. An engine that is busy or starved
+of CPU answers late; marking it down at once made it flap (and re-formed the weight group for nothing). A dead
+process is noticed at once anyway: its calls fail with ``RayActorError``."""
 
 
 class RefitError(RuntimeError):
@@ -139,6 +143,7 @@ class RolloutPool:
         self._started_at = time.time()
         self._errors: list[str] = []
         self._counted: dict[str, dict[str, int]] = {}
+        self._late_checks: dict[str, int] = {}
         self._ready = asyncio.Event()
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
@@ -217,8 +222,18 @@ class RolloutPool:
         version before it takes work again."""
         eng = self.engines[eid]
         try:
-            h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
+            try:
+                h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
+            except asyncio.TimeoutError as exc:
+                late = self._late_checks[eid] = self._late_checks.get(eid, 0) + 1
+                if late < HEALTH_TIMEOUTS_TO_DOWN:
+                    log.warning("pool %s: engine %s did not answer its health check within %g s (%d in a row)",
+                                self.name, eid, HEALTH_TIMEOUT_S, late)
+                    return
+                raise exc
+            self._late_checks[eid] = 0
             if not h["ok"]:
+                self._mark_down(eid, RuntimeError("vLLM engine not running (actor restarted); starting it"))
                 await asyncio.wait_for(eng.start.remote(), 600)
                 h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
             if h["version"] != self.version and self._latest_weights is not None:

@@ -1,4 +1,5 @@
-"""The pool's health watcher: one engine restarting does not hold up the checks of the others."""
+"""The pool's health watcher: one engine restarting does not hold up the checks of the others; an engine that
+answers its health check late is not marked down at once."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ class FakeEngine:
     """``health``/``start``/``stats`` like an EngineActor handle; ``start`` can be held open."""
 
     def __init__(self, ok: bool):
-        self.ok, self.health_calls, self.starts = ok, 0, 0
+        self.ok, self.health_calls, self.starts, self.slow = ok, 0, 0, False
         self.release = asyncio.Event()
         self.health = _Method(self._health)
         self.start = _Method(self._start)
@@ -29,6 +30,8 @@ class FakeEngine:
 
     async def _health(self):
         self.health_calls += 1
+        if self.slow:
+            await asyncio.sleep(3600)
         return {"ok": self.ok, "version": 0, "pid": 1}
 
     async def _start(self):
@@ -44,16 +47,22 @@ def _pool(engines: dict) -> object:
     pool = object.__new__(pool_module.RolloutPool.func_or_class)
     pool.name, pool.engines, pool.version, pool._latest_weights = "p", engines, 0, None
     pool.engine_state = {e: {"up": True} for e in engines}
-    pool.metrics, pool._counted, pool._waiting = PoolMetrics(), {}, []
+    pool.metrics, pool._counted, pool._waiting, pool._late_checks = PoolMetrics(), {}, [], {}
     pool._ready = asyncio.Event()
     pool._ready.set()
     pool.channel = None
     return pool
 
 
-def test_a_restarting_engine_does_not_hold_up_the_checks_of_the_others(monkeypatch):
+def _fast_checks(monkeypatch, period_s: float = 0.01, timeout_s: float = 10.0) -> None:
     # Serve's decorator copies the class: its methods read a copy of the module's globals
-    monkeypatch.setitem(pool_module.RolloutPool.func_or_class._watch_engines.__globals__, "HEALTH_PERIOD_S", 0.01)
+    module_globals = pool_module.RolloutPool.func_or_class._watch_engines.__globals__
+    monkeypatch.setitem(module_globals, "HEALTH_PERIOD_S", period_s)
+    monkeypatch.setitem(module_globals, "HEALTH_TIMEOUT_S", timeout_s)
+
+
+def test_a_restarting_engine_does_not_hold_up_the_checks_of_the_others(monkeypatch):
+    _fast_checks(monkeypatch)
 
     async def scenario():
         down, healthy = FakeEngine(ok=False), FakeEngine(ok=True)
@@ -68,5 +77,43 @@ def test_a_restarting_engine_does_not_hold_up_the_checks_of_the_others(monkeypat
         watcher.cancel()
         with pytest.raises(asyncio.CancelledError):
             await watcher
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_answering_late_is_marked_down_only_after_three_late_checks_in_a_row(monkeypatch):
+    _fast_checks(monkeypatch, timeout_s=0.05)
+
+    async def scenario():
+        engine = FakeEngine(ok=True)
+        pool = _pool({"e0": engine})
+        engine.slow = True
+        for _ in range(pool_module.HEALTH_TIMEOUTS_TO_DOWN - 1):
+            await pool._check_engine("e0")
+        assert pool.engine_state["e0"]["up"] is True          # busy, not dead
+        engine.slow = False
+        await pool._check_engine("e0")                           # answers again: the count starts over
+        engine.slow = True
+        for _ in range(pool_module.HEALTH_TIMEOUTS_TO_DOWN - 1):
+            await pool._check_engine("e0")
+        assert pool.engine_state["e0"]["up"] is True
+        await pool._check_engine("e0")
+        assert pool.engine_state["e0"]["up"] is False and "TimeoutError" in pool.engine_state["e0"]["error"]
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_whose_vllm_is_not_running_is_down_while_it_restarts(monkeypatch):
+    _fast_checks(monkeypatch)
+
+    async def scenario():
+        engine = FakeEngine(ok=False)
+        pool = _pool({"e0": engine})
+        check = asyncio.get_running_loop().create_task(pool._check_engine("e0"))
+        await asyncio.sleep(0.05)
+        assert engine.starts == 1 and pool.engine_state["e0"]["up"] is False   # no work while vLLM starts
+        engine.release.set()
+        await check
+        assert pool.engine_state["e0"]["up"] is True
 
     asyncio.run(scenario())
