@@ -30,7 +30,7 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
     if addr and _alive(addr):
         return addr
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
-    port = _free_port()
+    port = free_port()
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--temp-dir={temp}",
            "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -77,7 +77,8 @@ def _alive(addr: str) -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on this host now (for a rendezvous, a store or an HTTP proxy)."""
     import socket
 
     with socket.socket() as s:

@@ -55,9 +55,9 @@ class LearnerActor:
         """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
         import ray
 
-        from services.pool import _free_port
+        from services.cluster import free_port
 
-        return (ray.util.get_node_ip_address(), _free_port()) if self.rank == 0 else None
+        return (ray.util.get_node_ip_address(), free_port()) if self.rank == 0 else None
 
     def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         """Rank 0: open the weight group as its sender (returns once every engine worker joined)."""
@@ -123,7 +123,7 @@ class LearnerGroup:
         import ray
 
         from services.placement import check_learner_fits, learner_gpus_per_rank
-        from services.pool import _free_port
+        from services.cluster import free_port
 
         self.timeout = call_timeout_s
         world = max(1, recipe.learner_gpus)
@@ -135,7 +135,7 @@ class LearnerGroup:
         gpus = learner_gpus_per_rank(recipe)
         check_learner_fits(recipe, ray.cluster_resources().get("GPU", 0))
         addr = ray.util.get_node_ip_address()
-        port = _free_port()
+        port = free_port()
         cls = ray.remote(LearnerActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0)
         self.actors = [cls.remote(r, world, addr, port, kwargs) for r in range(world)]
         self.call("version")  # surfaces construction errors here, bounded

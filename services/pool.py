@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Header, HTTPException, Response
 from ray import serve
 
+from services.cluster import free_port
 from services.metrics import PoolMetrics
 
 log = logging.getLogger("inflight.pool")
@@ -654,7 +655,7 @@ class RolloutPool:
 
 def deploy(recipe, model_path: str, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
     """Start (or update) the pool application on the connected Ray cluster and wait until it is ready."""
-    http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or _free_port()}
+    http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or free_port()}
     serve.start(http_options=http)
     handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
                        name=recipe.rollout_pool.name, route_prefix="/", blocking=False)
@@ -683,11 +684,3 @@ def shutdown(name: str) -> None:
     handle = connect(name)
     handle.shutdown_engines.remote().result(timeout_s=300)
     serve.delete(name)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
