@@ -223,16 +223,9 @@ class RolloutPool:
         version before it takes work again."""
         eng = self.engines[eid]
         try:
-            try:
-                h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
-            except asyncio.TimeoutError as exc:
-                late = self._late_checks[eid] = self._late_checks.get(eid, 0) + 1
-                if late < HEALTH_TIMEOUTS_TO_DOWN:
-                    log.warning("pool %s: engine %s did not answer its health check within %g s (%d in a row)",
-                                self.name, eid, HEALTH_TIMEOUT_S, late)
-                    return
-                raise exc
-            self._late_checks[eid] = 0
+            h = await self._health(eid)
+            if h is None:
+                return  # late, not yet HEALTH_TIMEOUTS_TO_DOWN times in a row
             if not h["ok"]:
                 self._mark_down(eid, RuntimeError("vLLM engine not running (actor restarted); starting it"))
                 await asyncio.wait_for(eng.start.remote(), 600)
@@ -247,6 +240,21 @@ class RolloutPool:
         except Exception as exc:  # noqa: BLE001 - recorded, retried next period
             self._mark_down(eid, exc)
         self._send_waiting()
+
+    async def _health(self, eid: str) -> dict | None:
+        """The engine's health; None if it answered late fewer than ``HEALTH_TIMEOUTS_TO_DOWN`` times in a row
+        (the last such timeout is raised)."""
+        try:
+            h = await asyncio.wait_for(self.engines[eid].health.remote(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            late = self._late_checks[eid] = self._late_checks.get(eid, 0) + 1
+            if late >= HEALTH_TIMEOUTS_TO_DOWN:
+                raise
+            log.warning("pool %s: engine %s did not answer its health check within %g s (%d in a row)",
+                        self.name, eid, HEALTH_TIMEOUT_S, late)
+            return None
+        self._late_checks[eid] = 0
+        return h
 
     async def _check_learner(self) -> None:
         """A learner whose channel is gone (its job ended or was killed) is detached."""
