@@ -74,9 +74,11 @@ def fingerprint(model: torch.nn.Module) -> Fingerprint:
     sums: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors.values():
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        padded = torch.zeros(_align(max(raw.numel(), ALIGN)), dtype=torch.uint8, device=raw.device)
-        padded[:raw.numel()] = raw
-        sums.setdefault(raw.device, []).append(device_checksum(padded))
+        if raw.numel() == 0 or raw.numel() % ALIGN:  # device_checksum reads whole rows: pad a copy with zeros
+            padded = torch.zeros(_align(max(raw.numel(), ALIGN)), dtype=torch.uint8, device=raw.device)
+            padded[:raw.numel()] = raw
+            raw = padded
+        sums.setdefault(raw.device, []).append(device_checksum(raw))
     values = {device: iter(torch.stack(s).tolist()) for device, s in sums.items()}
     return Fingerprint({name: (tuple(t.shape), str(t.dtype), next(values[t.device]))
                         for name, t in tensors.items()})

@@ -48,8 +48,9 @@ engine GPU over NCCL instead. The workers receive it themselves
 (:mod:`rollout.collective_receiver`, vLLM's ``worker_extension_cls``) while
 generation goes on, verify it on the device, and hand back its manifest; the
 engine checks the manifest as above and only then pauses for the install
-(``reload_weights`` from the received buffers), so the pause is the reload
-alone.
+from the received buffers (``reload_weights``, or plain ``load_weights`` once
+:mod:`rollout.direct_load` has proven it equal for the model), so the pause
+is the install alone.
 
 **Colocated mode.** :meth:`sleep` / :meth:`wake_up` map to vLLM's sleep mode
 (level 1: weights offloaded, KV cache dropped). vLLM-CPU has no sleep mode,

@@ -107,3 +107,7 @@ def test_fingerprint_sees_every_byte_shape_and_dtype_of_parameters_and_tensor_at
     assert before.differences(fingerprint(model)) == ["gate_up"]
     model.packed = model.packed.to(torch.float64)
     assert "packed" in before.differences(fingerprint(model))
+    model.packed = torch.zeros(256)  # 1024 bytes: a whole checksum row, checksummed in place (no padded copy)
+    aligned = fingerprint(model)
+    model.packed.view(torch.uint8)[1000] ^= 1
+    assert aligned.differences(fingerprint(model)) == ["packed"]
