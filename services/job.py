@@ -215,8 +215,10 @@ class LearnerJob:
                                   f"{len(self.ledger.pending())} still pending"
                                   + (f"; last failed sample: {self.last_sample_error}" if self.last_sample_error
                                      else "") + ")")
+            held_due = self.backoff.next_due_in()
+            wait = min(left, 5.0) if held_due is None else min(left, 5.0, held_due)
             try:
-                self._receive(self.channel.recv(max(0.01, min(left, 5.0, self.backoff.next_due_in() or 5.0))))
+                self._receive(self.channel.recv(max(0.01, wait)))
             except ChannelTimeout:
                 if self.refit.engines_waiting():  # a restarted engine waits for our weights
                     self.push_weights(reset=True)
