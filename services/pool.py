@@ -232,8 +232,13 @@ class RolloutPool:
                 h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
             if h["version"] != self.version and self._latest_weights is not None:
                 async with self._refit_lock:
-                    await self._apply_to(eid, *self._latest_weights, reset=True)
-                h["version"] = self.version
+                    # Read again under the lock: a push may have landed meanwhile. A collective one clears
+                    # _latest_weights (reading it unchecked raised TypeError and marked a healthy engine down).
+                    if self._latest_weights is not None:
+                        await self._apply_to(eid, *self._latest_weights, reset=True)
+                        h["version"] = self.version
+                    else:
+                        h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
             self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
             self.metrics.engine_up.labels(engine=eid).set(1)
             self._count(eid, await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S))

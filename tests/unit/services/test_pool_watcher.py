@@ -22,7 +22,7 @@ class FakeEngine:
     """``health``/``start``/``stats`` like an EngineActor handle; ``start`` can be held open."""
 
     def __init__(self, ok: bool):
-        self.ok, self.health_calls, self.starts, self.slow = ok, 0, 0, False
+        self.ok, self.health_calls, self.starts, self.slow, self.version = ok, 0, 0, False, 0
         self.release = asyncio.Event()
         self.health = _Method(self._health)
         self.start = _Method(self._start)
@@ -32,7 +32,7 @@ class FakeEngine:
         self.health_calls += 1
         if self.slow:
             await asyncio.sleep(3600)
-        return {"ok": self.ok, "version": 0, "pid": 1}
+        return {"ok": self.ok, "version": self.version, "pid": 1}
 
     async def _start(self):
         self.starts += 1
@@ -115,5 +115,33 @@ def test_an_engine_whose_vllm_is_not_running_is_down_while_it_restarts(monkeypat
         engine.release.set()
         await check
         assert pool.engine_state["e0"]["up"] is True
+
+    asyncio.run(scenario())
+
+
+def test_a_collective_push_landing_while_the_watcher_waits_for_the_refit_lock_leaves_the_engine_up(monkeypatch):
+    """The watcher saw an engine behind the pool's version with object-store weights kept; by the time it held
+    the refit lock a collective push had installed a newer version and cleared them."""
+    _fast_checks(monkeypatch)
+
+    async def scenario():
+        engine = FakeEngine(ok=True)
+        pool = _pool({"e0": engine})
+        pool.version, pool._latest_weights = 3, (b"manifest", [])
+        pool._refit_lock = asyncio.Lock()
+        applied = []
+
+        async def apply_to(eid, manifest, refs, reset):
+            applied.append(eid)
+        pool._apply_to = apply_to
+        await pool._refit_lock.acquire()                      # a collective push is in progress
+        check = asyncio.get_running_loop().create_task(pool._check_engine("e0"))
+        await asyncio.sleep(0.05)
+        pool.version, pool._latest_weights = 4, None           # ... and lands
+        engine.version = 4
+        pool._refit_lock.release()
+        await check
+        assert applied == []                                   # nothing stale installed
+        assert pool.engine_state["e0"] == {"up": True, "version": 4, "error": None, "pid": 1}
 
     asyncio.run(scenario())
