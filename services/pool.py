@@ -69,8 +69,8 @@ HEALTH_PERIOD_S = 5.0
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_TIMEOUTS_TO_DOWN = 3
 """Health checks in a row that may time out before an engine counts as down. An engine that is busy or starved
-of CPU answers late; marking it down at once made it flap (and re-formed the weight group for nothing). A dead
-process is noticed at once anyway: its calls fail with ``RayActorError``."""
+of CPU answers late; marking it down at once would make it flap (and re-form the weight group for nothing). A
+dead process is noticed at once anyway: its calls fail with ``RayActorError``."""
 
 
 class RefitError(RuntimeError):
