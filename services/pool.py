@@ -145,6 +145,7 @@ class RolloutPool:
         self._errors: list[str] = []
         self._counted: dict[str, dict[str, int]] = {}
         self._late_checks: dict[str, int] = {}
+        self._late_learner_checks = 0
         self._ready = asyncio.Event()
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
@@ -269,11 +270,22 @@ class RolloutPool:
             return
         try:
             await asyncio.wait_for(self.channel.actor.size.remote(), HEALTH_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
-            log.warning("pool %s: learner %s is gone; detaching it", self.name, (self.learner or {}).get("id"))
-            self.learner, self.channel = None, None
-            self._undelivered.clear()
-            self.metrics.learner_attached.set(0)
+            self._late_learner_checks = 0
+        except asyncio.TimeoutError:  # busy or starved of CPU: gone only after HEALTH_TIMEOUTS_TO_DOWN in a row
+            self._late_learner_checks += 1
+            if self._late_learner_checks < HEALTH_TIMEOUTS_TO_DOWN:
+                log.warning("pool %s: the learner's channel did not answer within %g s (%d in a row)", self.name,
+                            HEALTH_TIMEOUT_S, self._late_learner_checks)
+                return
+            self._detach_gone_learner()
+        except ray.exceptions.RayActorError:
+            self._detach_gone_learner()
+
+    def _detach_gone_learner(self) -> None:
+        log.warning("pool %s: learner %s is gone; detaching it", self.name, (self.learner or {}).get("id"))
+        self.learner, self.channel = None, None
+        self._undelivered.clear()
+        self.metrics.learner_attached.set(0)
 
     def _count(self, eid: str, stats: dict) -> None:
         """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted
