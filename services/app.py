@@ -49,7 +49,8 @@ def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> P
 
     model_path = resolve_model(recipe.policy.model_name)
     handle = pool_api.connect(pool_name)
-    learner = LearnerGroup(recipe, model_path)
+    learner = LearnerGroup(recipe, model_path,
+                           colocation=handle.colocation_group.remote().result(timeout_s=60))
     job = LearnerJob(recipe, model_path, handle, learner, run_dir, resume=resume)
     try:
         if recipe.grpo.async_grpo.enabled:

@@ -119,10 +119,12 @@ class LearnerActor:
 class LearnerGroup:
     """All ranks of one learner job, driven in lockstep."""
 
-    def __init__(self, recipe, model_path: str, call_timeout_s: float = 1800.0):
+    def __init__(self, recipe, model_path: str, call_timeout_s: float = 1800.0, colocation=None):
+        """``colocation``: the pool's colocation placement group (``pool.colocation_group``), which puts
+        rank ``i`` on engine ``i``'s GPU; None for separate pools and CPU runs."""
         import ray
 
-        from services.placement import check_learner_fits, learner_gpus_per_rank
+        from services.placement import PlacementError, check_learner_fits, colocation_bundles, learner_options
         from services.cluster import free_port
 
         self.timeout = call_timeout_s
@@ -132,12 +134,19 @@ class LearnerGroup:
                       loss=recipe.loss_fn.model_dump_json(), packing=p.sequence_packing.model_dump_json(),
                       max_total_sequence_length=p.max_total_sequence_length,
                       normalize_rewards=recipe.grpo.normalize_rewards, seed=recipe.grpo.seed)
-        gpus = learner_gpus_per_rank(recipe)
         check_learner_fits(recipe, ray.cluster_resources().get("GPU", 0))
+        if colocation is None and colocation_bundles(recipe):
+            raise PlacementError("a colocated recipe on GPUs places its learner ranks in the pool's colocation "
+                                 "group, and the pool has none: deploy the pool from a recipe with "
+                                 "policy.generation.colocated.enabled=true")
+        if colocation is not None and len(colocation.bundle_specs) < world:
+            raise PlacementError(f"the pool's colocation group has {len(colocation.bundle_specs)} GPU bundles; "
+                                 f"this learner has {world} ranks (its recipe's cluster must match the pool's)")
         addr = ray.util.get_node_ip_address()
         port = free_port()
-        cls = ray.remote(LearnerActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0)
-        self.actors = [cls.remote(r, world, addr, port, kwargs) for r in range(world)]
+        self.actors = [ray.remote(LearnerActor).options(num_cpus=0, max_restarts=0,
+                                                        **learner_options(recipe, r, colocation)
+                                                        ).remote(r, world, addr, port, kwargs) for r in range(world)]
         self.call("version")  # surfaces construction errors here, bounded
 
     def call(self, method: str, *args):

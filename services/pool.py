@@ -148,6 +148,7 @@ class RolloutPool:
         self._late_learner_checks = 0
         self._ready = asyncio.Event()
         self._boot: asyncio.Task | None = None
+        self._colocation = None
         self._monitor: asyncio.Task | None = None
 
     def _ensure_started(self) -> None:
@@ -165,17 +166,22 @@ class RolloutPool:
         import ray
 
         from services.engine_actor import EngineActor
-        from services.placement import engine_gpus
+        from services.placement import colocation_group, engine_options
 
         r = self.recipe
         gen = r.policy.generation
-        gpus = engine_gpus(r)
+        try:
+            self._colocation = await asyncio.to_thread(colocation_group, r, self.name)
+        except Exception as exc:  # noqa: BLE001 - reported by /v1/status and wait_ready, the pool stays up
+            self._errors.append(f"placement: {exc}"[:300])
+            self._ready.set()
+            return
         ncpu = max(1, int(ray.cluster_resources().get("CPU", 1)))
         for i in range(r.rollout_pool.num_engines):
             eid = f"{self.name}-engine-{i}"
             actor_cls = ray.remote(EngineActor).options(
                 name=eid, namespace="inflight", lifetime="detached", get_if_exists=True, max_restarts=-1,
-                max_concurrency=1000, num_cpus=0, num_gpus=gpus,
+                max_concurrency=1000, num_cpus=0, **engine_options(r, i, self._colocation),
                 runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}})
             self.engines[eid] = actor_cls.remote(
                 eid, self.model_path, gen.model_dump_json(), r.policy.max_total_sequence_length, r.env.reward_fn,
@@ -620,6 +626,16 @@ class RolloutPool:
                 pass
             ray.kill(eng, no_restart=True)
         self.engines.clear()
+        if self._colocation is not None:
+            from services.placement import remove_colocation_group
+
+            remove_colocation_group(self.name)
+            self._colocation = None
+
+    def colocation_group(self):
+        """The placement group whose bundle ``i`` engine ``i`` and learner rank ``i`` share (colocated
+        recipes on GPUs; None otherwise): a learner job places its ranks with it."""
+        return self._colocation
 
     def check_health(self) -> None:
         """Serve's periodic replica health check: fails if the health monitor died."""
