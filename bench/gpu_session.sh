@@ -18,8 +18,10 @@
 #   bash bench/gpu_session.sh G   # the step breakdown of E alone (a second sample)
 #   bash bench/gpu_session.sh H   # the MoE model: async on 2 GPUs with the collective refit, then colocated sync
 #                                 # on 2 GPUs with expert parallelism in the learner (EP=2) and two engines
+#   bash bench/gpu_session.sh I   # the refit bench with the copy plan (rollout.direct_load), then the step
+#                                 # breakdown of E again (copy plan, pause without vLLM's fixed 20 ms sleep)
 set -u
-PHASE=${1:?phase A to H}
+PHASE=${1:?phase A to I}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -130,6 +132,10 @@ H)
   step moe_ep2_sync_loop 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 3 \
     --run-dir "$OUT/moe_ep2_sync" $MOE cluster.gpus_per_node=2 rollout_pool.num_engines=2 \
     policy.megatron_cfg.expert_model_parallel_size=2
+  ;;
+I)
+  step refit 210 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_copy.json"
+  breakdown step_breakdown_h200x2_copy.json 330
   ;;
 esac
 

@@ -14,10 +14,13 @@ hands GPU tensors to the worker without pickling). Measured:
     system-wide monotonic clock);
 (c) the install, on each path of :mod:`rollout.direct_load`: ``checked``
     (the first push: plain ``load_weights`` and ``reload_weights`` both run and
-    are compared), ``direct`` (plain ``load_weights`` into vLLM's fused
-    parameters, once proven) and ``reload`` (vLLM's layerwise
-    ``reload_weights(weights_iterator=<views of the received buckets>)``), in
-    the order of :data:`INSTALLS`, alternating scaled and original weights;
+    are compared, then the copy plan is found with markers and compared with
+    plain load), ``copy`` (the proven copy plan: one foreach copy from the
+    received buckets into vLLM's parameters), ``direct`` (plain
+    ``load_weights`` into vLLM's fused parameters) and ``reload`` (vLLM's
+    layerwise ``reload_weights(weights_iterator=<views of the received
+    buckets>)``), in the order of :data:`INSTALLS`, alternating scaled and
+    original weights;
     and, for comparison, the CPU path's install (GPU -> host, CRC32 per
     bucket, a safetensors file in /dev/shm, ``reload_weights(weights_path=
     ...)``). Every scaled push must give the same changed greedy output and
@@ -49,8 +52,8 @@ SIZE_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
 """Qwen2.5-1.5B's transformer dimensions (the vocabulary is the tiny tokenizer's, so ~1.3 B parameters)."""
 PROMPT = [1, 5, 9, 17, 33, 65, 101, 7]
 REPEATS = 3
-INSTALLS = [("checked", "scaled"), ("direct", "original"), ("reload", "scaled"), ("reload", "original"),
-            ("direct", "scaled"), ("direct", "original"), ("reload", "scaled"), ("reload", "original")]
+INSTALLS = [("checked", "scaled")] + [
+    (path, label) for _ in range(2) for path in ("copy", "direct", "reload") for label in ("original", "scaled")]
 """(install path, weights) of part (c), in order; each path ends up timed on both weight sets."""
 
 
@@ -237,6 +240,9 @@ class _Installs:
             if path == "reload":
                 worker.reload_weights(weights_iterator=views())
                 return "reload"
+            if path == "direct" and direct.proven:  # plain load even where the copy plan is proven
+                model.load_weights(views())
+                return "direct"
             return direct.install(model, views, lambda w: worker.reload_weights(weights_iterator=w))
 
         taken = self.llm.collective_rpc(install)[0]
@@ -261,7 +267,8 @@ class _Installs:
 
     def report(self) -> dict:
         return {"install": self.times, "greedy": self.greedy, "cpu_path": self.cpu_path,
-                "engine_tensors": self.tensors, "direct_load_refused": self.direct.refused_reason}
+                "engine_tensors": self.tensors, "direct_load_refused": self.direct.refused_reason,
+                "copy_plan_refused": self.direct.plan_refused_reason}
 
 
 def _cpu_path(args, llm, manifest, buckets) -> dict:
@@ -355,7 +362,7 @@ def main() -> None:
                                 "gbps": _gbps(n, statistics.median(result["raw"]))} if result["raw"] else None,
               "push": [dict(r, seconds_median=statistics.median(r["seconds"]),
                             gbps=_gbps(n, statistics.median(r["seconds"]))) for r in result["push"]],
-              "direct_load_refused": result["direct_load_refused"],
+              "direct_load_refused": result["direct_load_refused"], "copy_plan_refused": result["copy_plan_refused"],
               "install": {path: _install_summary(n, runs) for path, runs in result["install"].items()}}
     print(f"model {report['model']}: {n / 1e9:.2f} GB in {report['tensors']} tensors")
     print(f"{'what':<44}{'seconds':>10}{'GB/s':>10}")
@@ -372,6 +379,8 @@ def main() -> None:
         print(f"{'(c) ' + path + ': export -> installed':<44}{v['export_to_installed_s']:>10.4f}{v['gbps']:>10.1f}")
     if report["direct_load_refused"]:
         print("direct load refused:", report["direct_load_refused"])
+    if report["copy_plan_refused"]:
+        print("copy plan refused:", report["copy_plan_refused"])
     for k, v in report["cpu_path"].items():
         print(f"{'(c) CPU path ' + k:<44}{v:>10.4f}")
     print("greedy:", report["greedy"])

@@ -23,8 +23,9 @@ methods are mixed into the worker class and called from the engine with
    ``reload_weights`` (the path that repacks CPU linear weights and reorders
    FlashInfer CUTLASS MoE gate/up halves; a plain ``load_weights`` would
    not), or, once :mod:`rollout.direct_load` has proven plain ``load_weights``
-   gives the same tensors for this model, through that faster path; then free
-   the buffers. Returns the bytes and the path taken.
+   gives the same tensors for this model, through that faster path, and once
+   its copy plan is proven too, with one foreach copy from the buffers into
+   the parameters; then free the buffers. Returns the bytes and the path taken.
 4. ``inflight_drop_received()`` -- free the buffers of a push the engine
    rejected.
 """
@@ -87,10 +88,16 @@ class CollectiveWeightReceiver:
                                   lambda weights: self.reload_weights(weights_iterator=weights))
         finally:
             self._inflight_received = None
-        if path == "checked":
+        if path == "checked" and loader.plan is not None:
+            logger.info("weight install: copy plan (%d copies) proven equal to plain load_weights; used from now "
+                        "on", len(loader.plan.steps))
+        elif path == "checked" and loader.plan_refused_reason:
+            logger.info("weight install: copy plan not used: %s", loader.plan_refused_reason)
+        elif path == "checked":
             logger.info("weight install: plain load_weights %s", "proven equal to reload_weights; used from now on"
                         if loader.proven else f"not used: {loader.refused_reason or 'push changed nothing'}")
-        return {"bytes": manifest.total_bytes, "path": path, "refused_reason": loader.refused_reason}
+        return {"bytes": manifest.total_bytes, "path": path, "refused_reason": loader.refused_reason,
+                "copy_refused_reason": loader.plan_refused_reason}
 
     def inflight_drop_received(self) -> None:
         self._inflight_received = None

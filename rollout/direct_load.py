@@ -31,6 +31,26 @@ load that later raises (a push with other tensors) is repaired by
 :func:`protocol.weight_transfer.device_checksum` of each tensor's bytes
 (computed on its device, one host sync per device). The parity probe after
 every refit (``logger.parity_max_gen_kl``) still guards the result.
+
+**Copy plan.** Once plain ``load_weights`` is proven, what it does for a dense
+model is a fixed set of copies -- each pushed tensor lands whole in one
+contiguous range of a fused parameter (``q``/``k``/``v`` into ``qkv_proj``,
+``gate``/``up`` into ``gate_up_proj``) -- paid for in Python per tensor (its
+name mapping and weight loader: ~55 us each, 17 ms for 310 tensors of a
+2.6 GB model on H200). :class:`CopyPlan` records those copies once and then
+installs a push with one ``torch._foreach_copy_`` from the received buffers
+into the parameters. The plan is found, on the push that proves plain load,
+right after that check, by loading *markers*: every pushed tensor ``i`` is replaced by a
+tensor of its shape whose every element has the bit pattern ``BASE + i``
+(a huge float no trained weight holds), loaded with ``load_weights``; each
+contiguous run of one marker in a model tensor is where tensor ``i`` goes. A
+tensor that lands in pieces (a tensor-parallel shard) or in part refuses the
+plan. The plan is then proven like plain load was: from the marker state,
+install the push through the plan and fingerprint; install it with
+``load_weights`` and fingerprint again; the plan is used only if both are
+equal in every tensor (a region the plan misses still holds markers, a
+transposed or converted copy gives other bytes). A push whose tensor names or
+shapes differ from the plan's is installed with ``load_weights``.
 """
 from __future__ import annotations
 
@@ -84,24 +104,109 @@ def fingerprint(model: torch.nn.Module) -> Fingerprint:
                         for name, t in tensors.items()})
 
 
+MARKER_BASE = {2: 0x7000, 4: 0x70000000}
+"""Bit pattern of marker 0 by element size: bf16 ~2**97, fp16 ~2**13 (below its inf at 0x7C00), fp32 ~2**97."""
+MAX_MARKERS = 0xC00
+"""Markers a 2-byte float can carry below fp16's inf (and bf16's)."""
+_INT_VIEWS = {2: torch.int16, 4: torch.int32}
+
+
+class PlanRefused(RuntimeError):
+    """The push's copies cannot be recorded as whole contiguous ranges."""
+
+
+class CopyPlan:
+    """Where each pushed tensor lands in the model (found with markers); installs a push in one foreach copy."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 steps: list[tuple[str, torch.Tensor]]):
+        self.shapes = shapes
+        """Pushed tensor name -> (shape, dtype) the plan was made for."""
+        self.steps = steps
+        """(pushed tensor name, flat view of the model range it is copied to), in push order."""
+
+    @classmethod
+    def discover(cls, model: torch.nn.Module, pushed: list[tuple[str, torch.Tensor]]) -> "CopyPlan":
+        """Load markers shaped like ``pushed`` with ``model.load_weights`` and record where each landed.
+        Leaves markers in the model: the caller installs real weights afterwards."""
+        if len(pushed) > MAX_MARKERS:
+            raise PlanRefused(f"{len(pushed)} pushed tensors; markers exist for at most {MAX_MARKERS}")
+        for name, t in pushed:
+            if not t.is_floating_point() or t.element_size() not in MARKER_BASE:
+                raise PlanRefused(f"{name} has dtype {t.dtype}; markers need a 2- or 4-byte float")
+
+        def markers():
+            for i, (name, t) in enumerate(pushed):
+                size = t.element_size()
+                yield name, torch.full(t.shape, MARKER_BASE[size] + i, dtype=_INT_VIEWS[size],
+                                       device=t.device).view(t.dtype)
+
+        model.load_weights(markers())
+        landed: dict[int, list[tuple[str, int, int]]] = {}
+        seen = set()
+        for tname, t in model_tensors(model).items():
+            size = t.element_size()
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if not t.is_floating_point() or size not in MARKER_BASE or not t.is_contiguous() or key in seen:
+                continue
+            seen.add(key)
+            index = t.detach().view(-1).view(_INT_VIEWS[size]).to(torch.int32) - MARKER_BASE[size]
+            index = torch.where((index >= 0) & (index < len(pushed)), index, -1)
+            values, counts = torch.unique_consecutive(index, return_counts=True)
+            starts = torch.cumsum(counts, 0) - counts
+            keep = values >= 0
+            for i, start, count in zip(values[keep].tolist(), starts[keep].tolist(), counts[keep].tolist()):
+                landed.setdefault(i, []).append((tname, start, count))
+        tensors = model_tensors(model)
+        steps = []
+        for i, (name, t) in enumerate(pushed):
+            for tname, start, count in landed.get(i, []):
+                if count != t.numel():
+                    raise PlanRefused(f"{name} ({t.numel()} elements) lands as a run of {count} in {tname} "
+                                      f"(a shard or a partial copy)")
+                steps.append((name, tensors[tname].detach().view(-1)[start:start + count]))
+        return cls({n: (tuple(t.shape), t.dtype) for n, t in pushed}, steps)
+
+    def fits(self, pushed: dict[str, torch.Tensor]) -> bool:
+        """True if ``pushed`` has exactly the plan's tensor names, shapes and dtypes."""
+        return pushed.keys() == self.shapes.keys() and all(
+            (tuple(t.shape), t.dtype) == self.shapes[n] for n, t in pushed.items())
+
+    def install(self, pushed: dict[str, torch.Tensor]) -> None:
+        dsts = [dst for _, dst in self.steps]
+        srcs = [pushed[name].reshape(-1) for name, _ in self.steps]
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
 class DirectLoad:
-    """Per worker: whether plain ``load_weights`` is proven equal to ``reload_weights`` for this model."""
+    """Per worker: whether plain ``load_weights`` is proven equal to ``reload_weights`` for this model, and
+    whether a :class:`CopyPlan` is proven equal to plain ``load_weights``."""
 
     def __init__(self, enabled: bool = True):
         self.proven: bool | None = None if enabled else False
         """None: not checked yet; True: install with plain load; False: always reload."""
         self.refused_reason = "" if enabled else "disabled (policy.generation.vllm_cfg.direct_weight_load)"
+        self.plan: CopyPlan | None = None
+        """The proven copy plan (installs take the ``copy`` path), once there is one."""
+        self.plan_refused_reason = ""
 
     def install(self, model: torch.nn.Module, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
                 reload: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> str:
         """Install ``weights()`` (called once per pass) into ``model``; returns the path taken:
-        ``direct``, ``reload``, or ``checked`` (both ran; the engine ends on reload's result)."""
+        ``copy`` (the proven copy plan), ``direct`` (plain load), ``reload``, or ``checked`` (two paths
+        ran and were compared; the engine ends on the safer one's result)."""
         if self.proven:
             try:
+                if self.plan is not None:
+                    pushed = dict(weights())
+                    if self.plan.fits(pushed):
+                        self.plan.install(pushed)
+                        return "copy"
                 model.load_weights(weights())
                 return "direct"
             except Exception as exc:  # e.g. a push with other tensors than the proven ones: repair, stop trusting
-                self.proven = False
+                self.proven, self.plan = False, None
                 self.refused_reason = f"plain load_weights raised {type(exc).__name__} after being proven: {exc}"[:300]
                 reload(weights())
                 return "reload"
@@ -125,9 +230,38 @@ class DirectLoad:
             differ = plain.differences(reloaded)
             self.proven = not differ
             if differ:
-                first = differ[0]
-                self.refused_reason = (f"plain load_weights differs from reload_weights in {len(differ)} tensors, "
-                                       f"e.g. {', '.join(differ[:MAX_NAMED_DIFFERENCES])}; {first} (shape, dtype, "
-                                       f"checksum): before {before.entries.get(first)}, plain "
-                                       f"{plain.entries.get(first)}, reload {reloaded.entries.get(first)}")
+                self.refused_reason = _refusal("plain load_weights", "reload_weights", differ, before, plain,
+                                               reloaded)
+            else:
+                self._check_plan(model, weights)  # on the same push: every later one can take the plan
         return "checked"
+
+    def _check_plan(self, model: torch.nn.Module, weights) -> None:
+        """Find a copy plan with markers, install the push through it, then with plain ``load_weights``
+        (which the engine ends on); keep the plan only if both give the same tensors."""
+        pushed = list(weights())
+        plan = None
+        try:
+            plan = CopyPlan.discover(model, pushed)
+            marked = fingerprint(model)
+            plan.install(dict(pushed))
+            planned = fingerprint(model)
+        except Exception as exc:  # load_weights below restores every tensor the markers touched
+            plan, self.plan_refused_reason = None, f"{type(exc).__name__}: {exc}"[:300]
+        model.load_weights(weights())
+        if plan is None:
+            return
+        differ = planned.differences(fingerprint(model))
+        if differ:
+            self.plan_refused_reason = _refusal("the copy plan", "plain load_weights", differ, marked, planned,
+                                                fingerprint(model))
+        else:
+            self.plan = plan
+
+
+def _refusal(fast: str, safe: str, differ: list[str], before: Fingerprint, fast_print: Fingerprint,
+             safe_print: Fingerprint) -> str:
+    first = differ[0]
+    return (f"{fast} differs from {safe} in {len(differ)} tensors, e.g. {', '.join(differ[:MAX_NAMED_DIFFERENCES])};"
+            f" {first} (shape, dtype, checksum): before {before.entries.get(first)}, {fast.split()[-1]} "
+            f"{fast_print.entries.get(first)}, {safe.split()[-1]} {safe_print.entries.get(first)}")

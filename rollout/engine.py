@@ -125,9 +125,12 @@ class EngineStats:
     install_seconds_last: float = 0.0
     """Time of the workers' install (reload or direct load) inside the last pause."""
     install_path_last: str = ""
-    """How the last collective push was installed: ``reload``, ``direct`` or ``checked`` (rollout.direct_load)."""
+    """How the last collective push was installed: ``reload``, ``direct``, ``copy`` or ``checked``
+    (rollout.direct_load)."""
     direct_load_refused: str = ""
     """Why plain ``load_weights`` is not used for this model (empty: proven, or not checked yet)."""
+    copy_plan_refused: str = ""
+    """Why the copy plan of ``rollout.direct_load`` is not used (empty: proven, or not checked yet)."""
     refit_bytes_total: int = 0
     refit_bytes_last: int = 0
     prefix_cache_reset_deferred: int = 0
@@ -531,6 +534,7 @@ class RolloutEngine:
                 "inflight_install_received", args=(manifest.version, self.generation.vllm_cfg.direct_weight_load)))
             self._stats.install_path_last = installed[0]["path"]
             self._stats.direct_load_refused = installed[0]["refused_reason"]
+            self._stats.copy_plan_refused = installed[0]["copy_refused_reason"]
             self._record_refit(started, manifest.total_bytes)
             return self._version
 
@@ -546,8 +550,7 @@ class RolloutEngine:
         """Pause (``pause_mode``), ``await install()`` (the workers reload their weights), reset the prefix
         cache, relabel, and always resume; returns what ``install()`` returned."""
         paused_at = time.perf_counter()
-        await self._bounded(llm.pause_generation(mode=self.pause_mode,
-                                                  clear_cache=self.recompute_kv_cache_after_weight_updates),
+        await self._bounded(_pause(llm, self.pause_mode, self.recompute_kv_cache_after_weight_updates),
                             "pause_generation before a weight update")
         try:
             if self.stream_version_labels and not await drain_frontend(llm):
@@ -574,6 +577,21 @@ class RolloutEngine:
             await self._bounded(llm.resume_generation(), "resume_generation after a weight update")
             self._stats.pause_seconds_last = time.perf_counter() - paused_at
         return installed
+
+
+async def _pause(llm, mode: str, clear_cache: bool) -> None:
+    """``AsyncLLM.pause_generation`` without its closing fixed 20 ms sleep (vLLM 0.25.1 and 0.32), which
+    only gives the front end time to deliver the outputs produced before the pause: where that matters
+    (streamed version labels) :func:`rollout.streamed.drain_frontend` waits for exactly that, and with
+    engine-side labels it does not matter. Falls back to ``pause_generation`` where the engine client has
+    no ``pause_scheduler_async``."""
+    core = getattr(llm, "engine_core", None)
+    if not hasattr(core, "pause_scheduler_async"):
+        await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        return
+    if clear_cache and hasattr(getattr(llm, "renderer", None), "clear_mm_cache_async"):
+        await llm.renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
 
 def _shutdown_late_engine(build: asyncio.Future) -> None:

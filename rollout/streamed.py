@@ -13,9 +13,10 @@ after it the new one.
 
 Exactness: vLLM resolves the pause reply as soon as it reaches the front end,
 while step outputs pass through an output queue and the output handler first
-(``AsyncLLM.pause_generation`` sleeps 20 ms for this). :func:`drain_frontend`
-waits, up to a bound, until that queue is empty and yields to the tasks that
-consume the outputs, so the marks are exact unless the front end is still
+(``AsyncLLM.pause_generation`` sleeps a fixed 20 ms for this; the engine
+pauses without that sleep). :func:`drain_frontend` waits, up to a bound,
+until that queue is empty and yields to the tasks that consume the outputs,
+so the marks are exact unless the front end is still
 behind when the bound runs out (then some tokens sampled under v are labelled
 v+1; the log-probs recorded for them are still the ones they were sampled
 with). :func:`drain_frontend` reports whether the drain completed.

@@ -101,7 +101,8 @@ def test_collective_push_installs_the_weights_and_reset_restores_them(harness, s
     restored, _ = greedy_tokens(harness)
     assert restored == before  # on whichever path the check chose
     stats = engine.stats()
-    assert stats["install_path_last"] == ("reload" if stats["direct_load_refused"] else "direct")
+    # CPU: plain load raises (repacked linear weights), so reload; GPU dense: the copy plan is checked now
+    assert stats["install_path_last"] == ("reload" if stats["direct_load_refused"] else "checked")
     print(f"\ninstall path after the check: {stats['install_path_last']} {stats['direct_load_refused']}")
     print(f"\ncollective push over gloo: {stats['refit_seconds_last'] * 1e3:.0f} ms, "
           f"pause {stats['pause_seconds_last'] * 1e3:.0f} ms")

@@ -1,10 +1,11 @@
-"""rollout.direct_load: plain load_weights is used only once proven equal to reload_weights."""
+"""rollout.direct_load: plain load_weights is used only once proven equal to reload_weights, and a copy plan
+only once proven equal to plain load_weights."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rollout.direct_load import DirectLoad, fingerprint, model_tensors
+from rollout.direct_load import CopyPlan, DirectLoad, PlanRefused, fingerprint, model_tensors
 
 
 class Fused(torch.nn.Module):
@@ -42,11 +43,13 @@ def test_plain_load_is_proven_for_a_model_without_processing_then_used():
     model, direct = Fused(), DirectLoad()
     reloads = []
     reload = lambda w: (reloads.append(1), model.reload(w))  # noqa: E731
-    assert direct.install(model, weights(1.0), reload) == "checked"
+    assert direct.install(model, weights(1.0), reload) == "checked"  # plain vs reload, then the copy plan
     assert direct.proven is True and direct.refused_reason == ""
-    assert direct.install(model, weights(2.0), reload) == "direct"
+    assert direct.plan is not None and direct.plan_refused_reason == ""
+    assert torch.equal(model.gate_up, torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), -1.0)]))
+    assert direct.install(model, weights(3.0), reload) == "copy"
     assert len(reloads) == 1
-    assert torch.equal(model.gate_up, torch.cat([torch.full((2, 3), 2.0), torch.full((2, 3), -2.0)]))
+    assert torch.equal(model.gate_up, torch.cat([torch.full((2, 3), 3.0), torch.full((2, 3), -3.0)]))
 
 
 @pytest.mark.parametrize("kind", ["swapped halves", "stale derived tensor"])
@@ -85,7 +88,7 @@ def test_a_proven_plain_load_that_raises_later_falls_back_to_reload_for_good():
     assert direct.proven is True
     odd = lambda: iter([("gate", torch.full((2, 3), 4.0)), ("extra", torch.ones(1))])  # noqa: E731
     assert direct.install(model, odd, lambda w: model.reload([x for x in w if x[0] != "extra"])) == "reload"
-    assert direct.proven is False and "after being proven" in direct.refused_reason
+    assert direct.proven is False and "after being proven" in direct.refused_reason and direct.plan is None
     assert torch.equal(model.gate_up[:2], torch.full((2, 3), 4.0))
     assert direct.install(model, weights(1.0), model.reload) == "reload"
 
@@ -111,3 +114,91 @@ def test_fingerprint_sees_every_byte_shape_and_dtype_of_parameters_and_tensor_at
     aligned = fingerprint(model)
     model.packed.view(torch.uint8)[1000] ^= 1
     assert aligned.differences(fingerprint(model)) == ["packed"]
+
+
+class Stacked(torch.nn.Module):
+    """Like vLLM's attention: ``q``, ``k``, ``v`` stacked into one fused bf16 parameter by ``load_weights``,
+    a norm copied as is, and an embedding tied to the output head (one parameter under two names).
+    ``loader``: ``plain``; ``transpose`` (q copied transposed: same range, other order); ``shard`` (only
+    the first row of v is kept, like a tensor-parallel shard)."""
+
+    def __init__(self, loader: str = "plain"):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(5, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.head = self.embed
+        self.loader = loader
+
+    def load_weights(self, weights):
+        rows = {"q": (0, 4), "k": (4, 6), "v": (6, 8)}
+        for name, w in weights:
+            if name in rows:
+                lo, hi = rows[name]
+                if name == "q" and self.loader == "transpose":
+                    w = w.t()
+                if name == "v" and self.loader == "shard":
+                    self.qkv.data[lo:lo + 1].copy_(w[:1])
+                    continue
+                self.qkv.data[lo:hi].copy_(w)
+            elif name == "norm":
+                self.norm.data.copy_(w)
+            elif name == "embed":
+                self.embed.data.copy_(w)
+            elif name != "head":  # skipped: tied to embed
+                raise KeyError(name)
+
+
+def stacked_weights(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, 4), "k": (2, 4), "v": (2, 4), "norm": (4,), "embed": (5, 4), "head": (5, 4)}
+    pushed = [(n, torch.randn(shape, generator=g).to(torch.bfloat16)) for n, shape in shapes.items()]
+    return lambda: iter(pushed)
+
+
+def checked(model) -> DirectLoad:
+    """Plain load proven (reload == load_weights here), then the copy plan checked, on one push."""
+    direct = DirectLoad()
+    assert direct.install(model, stacked_weights(1), model.load_weights) == "checked"
+    assert direct.proven is True
+    expected = type(model)(model.loader)
+    expected.load_weights(stacked_weights(1)())
+    assert not fingerprint(model).differences(fingerprint(expected))  # ends on load_weights: no marker left
+    return direct
+
+
+def test_copy_plan_records_each_tensors_range_and_installs_like_load_weights():
+    model = Stacked()
+    direct = checked(model)
+    assert direct.plan is not None, direct.plan_refused_reason
+    assert [name for name, _ in direct.plan.steps] == ["q", "k", "v", "norm", "embed"]  # head: never loaded
+    for seed in (2, 3):
+        assert direct.install(model, stacked_weights(seed), model.load_weights) == "copy"
+        expected = Stacked()
+        expected.load_weights(stacked_weights(seed)())
+        assert not fingerprint(model).differences(fingerprint(expected))
+
+
+def test_copy_plan_is_refused_when_load_weights_reorders_a_tensor_and_plain_load_stays():
+    model = Stacked("transpose")
+    direct = checked(model)
+    assert direct.plan is None and "qkv" in direct.plan_refused_reason
+    assert direct.install(model, stacked_weights(2), model.load_weights) == "direct"
+
+
+def test_copy_plan_is_refused_for_a_tensor_that_lands_in_part():
+    model = Stacked("shard")
+    with pytest.raises(PlanRefused, match="v .8 elements. lands as a run of 4 in qkv"):
+        CopyPlan.discover(model, list(stacked_weights(1)()))
+    model = Stacked("shard")
+    direct = checked(model)
+    assert direct.plan is None and "lands as a run" in direct.plan_refused_reason
+
+
+def test_a_push_with_other_tensors_than_the_plan_takes_plain_load():
+    model = Stacked()
+    direct = checked(model)
+    fewer = lambda: iter([x for x in stacked_weights(4)() if x[0] != "norm"])  # noqa: E731
+    assert direct.install(model, fewer, model.load_weights) == "direct"
+    assert direct.plan is not None
+    assert torch.equal(model.qkv[:4], dict(stacked_weights(4)())["q"])
