@@ -232,6 +232,7 @@ class _Installs:
         import torch
 
         from protocol.weight_transfer import named_views
+        from rollout.direct_load import worker_kv_caches
         views = lambda: iter(named_views(manifest, buckets))  # noqa: E731
         direct = self.direct
 
@@ -243,7 +244,8 @@ class _Installs:
             if path == "direct" and direct.proven:  # plain load even where the copy plan is proven
                 model.load_weights(views())
                 return "direct"
-            return direct.install(model, views, lambda w: worker.reload_weights(weights_iterator=w))
+            return direct.install(model, views, lambda w: worker.reload_weights(weights_iterator=w),
+                                  ignore=worker_kv_caches(worker))
 
         taken = self.llm.collective_rpc(install)[0]
         torch.cuda.synchronize()

@@ -73,7 +73,7 @@ class CollectiveWeightReceiver:
 
     def inflight_install_received(self, version: int, direct_load: bool = False) -> dict:
         from protocol.weight_transfer import named_views
-        from rollout.direct_load import DirectLoad
+        from rollout.direct_load import DirectLoad, worker_kv_caches
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
             have = None if self._inflight_received is None else self._inflight_received[0].version
@@ -85,7 +85,8 @@ class CollectiveWeightReceiver:
         loader = self._inflight_direct_load
         try:
             path = loader.install(self.model_runner.get_model(), lambda: iter(named_views(manifest, buckets)),
-                                  lambda weights: self.reload_weights(weights_iterator=weights))
+                                  lambda weights: self.reload_weights(weights_iterator=weights),
+                                  ignore=worker_kv_caches(self))
         finally:
             self._inflight_received = None
         if path == "checked" and loader.plan is not None:

@@ -65,16 +65,39 @@ MAX_NAMED_DIFFERENCES = 5
 """How many differing tensors a refusal names."""
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a module tree holds: parameters, buffers and plain tensor attributes, by dotted name."""
+CHUNK_BYTES = 64 << 20
+"""Tensors are checksummed and scanned in chunks of this many bytes, so no pass needs more than a chunk's
+worth of scratch memory on a GPU already filled by vLLM's KV cache."""
+
+
+def model_tensors(model: torch.nn.Module, ignore: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor a module tree holds: parameters, buffers and plain tensor attributes, by dotted name;
+    except tensors sharing storage with one of ``ignore`` (the KV cache, which vLLM 0.25.1 binds to each
+    attention layer as a plain attribute: tens of GB that are not weights)."""
+    skip = {t.untyped_storage().data_ptr() for t in ignore}
     found: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         held = dict(module._parameters) | dict(module._buffers)
         held |= {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
         for name, tensor in held.items():
-            if tensor is not None and tensor.device.type != "meta":
+            if tensor is not None and tensor.device.type != "meta" and (
+                    not skip or tensor.untyped_storage().data_ptr() not in skip):
                 found[f"{prefix}.{name}" if prefix else name] = tensor
     return found
+
+
+def worker_kv_caches(worker) -> list[torch.Tensor]:
+    """The KV cache tensors of a vLLM worker (``model_runner.kv_caches``, nested lists flattened)."""
+    out, todo = [], [getattr(getattr(worker, "model_runner", None), "kv_caches", None) or []]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,17 +111,29 @@ class Fingerprint:
         return [n for n in names if self.entries.get(n) != other.entries.get(n)]
 
 
-def fingerprint(model: torch.nn.Module) -> Fingerprint:
-    """Checksums of every tensor of ``model``, computed on each tensor's device, one host sync per device."""
-    tensors = model_tensors(model)
+def _checksum(raw: torch.Tensor) -> torch.Tensor:
+    """:func:`device_checksum` of a uint8 tensor of any length, chunk by chunk (each weighted by its
+    position); a last partial row is checksummed from a zero-padded copy."""
+    total = None
+    for k, start in enumerate(range(0, max(raw.numel(), 1), CHUNK_BYTES)):
+        chunk = raw[start:start + CHUNK_BYTES]
+        if chunk.numel() == 0 or chunk.numel() % ALIGN:  # device_checksum reads whole rows
+            padded = torch.zeros(_align(max(chunk.numel(), ALIGN)), dtype=torch.uint8, device=raw.device)
+            padded[:chunk.numel()] = chunk
+            chunk = padded
+        part = device_checksum(chunk) * (k + 1)
+        total = part if total is None else total + part
+    return total
+
+
+def fingerprint(model: torch.nn.Module, ignore: Iterable[torch.Tensor] = ()) -> Fingerprint:
+    """Checksums of every tensor of ``model`` but ``ignore``, computed on each tensor's device, one host
+    sync per device."""
+    tensors = model_tensors(model, ignore)
     sums: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors.values():
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        if raw.numel() == 0 or raw.numel() % ALIGN:  # device_checksum reads whole rows: pad a copy with zeros
-            padded = torch.zeros(_align(max(raw.numel(), ALIGN)), dtype=torch.uint8, device=raw.device)
-            padded[:raw.numel()] = raw
-            raw = padded
-        sums.setdefault(raw.device, []).append(device_checksum(raw))
+        sums.setdefault(raw.device, []).append(_checksum(raw))
     values = {device: iter(torch.stack(s).tolist()) for device, s in sums.items()}
     return Fingerprint({name: (tuple(t.shape), str(t.dtype), next(values[t.device]))
                         for name, t in tensors.items()})
@@ -126,9 +161,11 @@ class CopyPlan:
         """(pushed tensor name, flat view of the model range it is copied to), in push order."""
 
     @classmethod
-    def discover(cls, model: torch.nn.Module, pushed: list[tuple[str, torch.Tensor]]) -> "CopyPlan":
-        """Load markers shaped like ``pushed`` with ``model.load_weights`` and record where each landed.
-        Leaves markers in the model: the caller installs real weights afterwards."""
+    def discover(cls, model: torch.nn.Module, pushed: list[tuple[str, torch.Tensor]],
+                 ignore: Iterable[torch.Tensor] = ()) -> "CopyPlan":
+        """Load markers shaped like ``pushed`` with ``model.load_weights`` and record where each landed
+        (in every model tensor but ``ignore``). Leaves markers in the model: the caller installs real
+        weights afterwards."""
         if len(pushed) > MAX_MARKERS:
             raise PlanRefused(f"{len(pushed)} pushed tensors; markers exist for at most {MAX_MARKERS}")
         for name, t in pushed:
@@ -142,22 +179,18 @@ class CopyPlan:
                                        device=t.device).view(t.dtype)
 
         model.load_weights(markers())
+        tensors = model_tensors(model, ignore)
         landed: dict[int, list[tuple[str, int, int]]] = {}
         seen = set()
-        for tname, t in model_tensors(model).items():
+        for tname, t in tensors.items():
             size = t.element_size()
             key = (t.data_ptr(), t.numel(), t.dtype)
             if not t.is_floating_point() or size not in MARKER_BASE or not t.is_contiguous() or key in seen:
                 continue
             seen.add(key)
-            index = t.detach().view(-1).view(_INT_VIEWS[size]).to(torch.int32) - MARKER_BASE[size]
-            index = torch.where((index >= 0) & (index < len(pushed)), index, -1)
-            values, counts = torch.unique_consecutive(index, return_counts=True)
-            starts = torch.cumsum(counts, 0) - counts
-            keep = values >= 0
-            for i, start, count in zip(values[keep].tolist(), starts[keep].tolist(), counts[keep].tolist()):
+            for i, start, count in _marker_runs(t.detach().view(-1).view(_INT_VIEWS[size]), MARKER_BASE[size],
+                                                len(pushed)):
                 landed.setdefault(i, []).append((tname, start, count))
-        tensors = model_tensors(model)
         steps = []
         for i, (name, t) in enumerate(pushed):
             for tname, start, count in landed.get(i, []):
@@ -179,6 +212,28 @@ class CopyPlan:
             torch._foreach_copy_(dsts, srcs)
 
 
+def _marker_runs(flat: torch.Tensor, base: int, count: int) -> list[tuple[int, int, int]]:
+    """``(marker, start, length)`` of every run of one marker ``base + i`` (``0 <= i < count``) in the integer
+    view ``flat``, scanned in chunks (a run crossing a chunk boundary is joined)."""
+    runs: list[list[int]] = []
+    step = max(1, CHUNK_BYTES // flat.element_size())
+    for offset in range(0, flat.numel(), step):
+        chunk = flat[offset:offset + step]
+        valid = (chunk >= base) & (chunk < base + count)
+        if not bool(valid.any()):
+            continue
+        index = torch.where(valid, chunk - base, torch.full_like(chunk, -1))
+        values, lengths = torch.unique_consecutive(index, return_counts=True)
+        starts = torch.cumsum(lengths, 0) - lengths
+        keep = values >= 0
+        for i, start, length in zip(values[keep].tolist(), starts[keep].tolist(), lengths[keep].tolist()):
+            if runs and runs[-1][0] == i and runs[-1][1] + runs[-1][2] == offset + start:
+                runs[-1][2] += length
+            else:
+                runs.append([i, offset + start, length])
+    return [tuple(r) for r in runs]
+
+
 class DirectLoad:
     """Per worker: whether plain ``load_weights`` is proven equal to ``reload_weights`` for this model, and
     whether a :class:`CopyPlan` is proven equal to plain ``load_weights``."""
@@ -192,10 +247,13 @@ class DirectLoad:
         self.plan_refused_reason = ""
 
     def install(self, model: torch.nn.Module, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                reload: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> str:
+                reload: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+                ignore: Iterable[torch.Tensor] = ()) -> str:
         """Install ``weights()`` (called once per pass) into ``model``; returns the path taken:
         ``copy`` (the proven copy plan), ``direct`` (plain load), ``reload``, or ``checked`` (two paths
-        ran and were compared; the engine ends on the safer one's result)."""
+        ran and were compared; the engine ends on the safer one's result). ``ignore``: tensors the checks
+        leave out (the KV cache: :func:`worker_kv_caches`)."""
+        ignore = list(ignore)
         if self.proven:
             try:
                 if self.plan is not None:
@@ -213,15 +271,15 @@ class DirectLoad:
         if self.proven is False:
             reload(weights())
             return "reload"
-        before = fingerprint(model)
+        before = fingerprint(model, ignore)
         plain_error = ""
         try:
             model.load_weights(weights())
         except Exception as exc:  # the safe path below repairs whatever the plain load left
             plain_error = f"plain load_weights raised {type(exc).__name__}: {exc}"[:300]
-        plain = fingerprint(model)
+        plain = fingerprint(model, ignore)
         reload(weights())
-        reloaded = fingerprint(model)
+        reloaded = fingerprint(model, ignore)
         if plain_error:
             self.proven, self.refused_reason = False, plain_error
         elif not reloaded.differences(before):
@@ -233,28 +291,29 @@ class DirectLoad:
                 self.refused_reason = _refusal("plain load_weights", "reload_weights", differ, before, plain,
                                                reloaded)
             else:
-                self._check_plan(model, weights)  # on the same push: every later one can take the plan
+                self._check_plan(model, weights, ignore)  # on the same push: later ones can take the plan
         return "checked"
 
-    def _check_plan(self, model: torch.nn.Module, weights) -> None:
+    def _check_plan(self, model: torch.nn.Module, weights, ignore: list[torch.Tensor]) -> None:
         """Find a copy plan with markers, install the push through it, then with plain ``load_weights``
         (which the engine ends on); keep the plan only if both give the same tensors."""
         pushed = list(weights())
         plan = None
         try:
-            plan = CopyPlan.discover(model, pushed)
-            marked = fingerprint(model)
+            plan = CopyPlan.discover(model, pushed, ignore)
+            marked = fingerprint(model, ignore)
             plan.install(dict(pushed))
-            planned = fingerprint(model)
+            planned = fingerprint(model, ignore)
         except Exception as exc:  # load_weights below restores every tensor the markers touched
             plan, self.plan_refused_reason = None, f"{type(exc).__name__}: {exc}"[:300]
         model.load_weights(weights())
         if plan is None:
             return
-        differ = planned.differences(fingerprint(model))
+        loaded = fingerprint(model, ignore)
+        differ = planned.differences(loaded)
         if differ:
             self.plan_refused_reason = _refusal("the copy plan", "plain load_weights", differ, marked, planned,
-                                                fingerprint(model))
+                                                loaded)
         else:
             self.plan = plan
 

@@ -46,9 +46,10 @@ class LearnerActor:
         """Rank 0 returns ``(manifest_bytes, [bucket refs])``; other ranks take part and return None."""
         import ray
 
-        manifest, buckets = self.learner.export_weights(bucket_bytes)
+        exported = self.learner.export_weights(bucket_bytes)  # collective: every rank takes part
         if self.rank != 0:
             return None
+        manifest, buckets = exported
         return encode(manifest), [ray.put(encode(b)) for b in buckets]
 
     def weight_group_address(self) -> tuple[str, int] | None:

@@ -38,10 +38,10 @@ def _plain_load_weights(weights):
 def _direct_load_check(weights):
     """The engine's own guard (rollout.direct_load) run on the worker: plain load vs reload, then reload."""
     def check(worker):
-        from rollout.direct_load import DirectLoad
+        from rollout.direct_load import DirectLoad, worker_kv_caches
         direct = DirectLoad()
         path = direct.install(worker.model_runner.get_model(), lambda: iter(weights),
-                              lambda w: worker.reload_weights(weights_iterator=w))
+                              lambda w: worker.reload_weights(weights_iterator=w), ignore=worker_kv_caches(worker))
         return path, direct.proven, direct.refused_reason
     return check
 

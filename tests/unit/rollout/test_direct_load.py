@@ -202,3 +202,35 @@ def test_a_push_with_other_tensors_than_the_plan_takes_plain_load():
     assert direct.install(model, fewer, model.load_weights) == "direct"
     assert direct.plan is not None
     assert torch.equal(model.qkv[:4], dict(stacked_weights(4)())["q"])
+
+
+def test_checks_leave_out_the_kv_cache_and_work_chunk_by_chunk(monkeypatch):
+    import types
+
+    from rollout import direct_load
+
+    model = Stacked()
+    model.kv_cache = torch.zeros(64, dtype=torch.bfloat16)  # how vLLM 0.25.1 binds it to an attention layer
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_caches=[[model.kv_cache]]))
+    assert direct_load.worker_kv_caches(worker) == [model.kv_cache]
+    assert "kv_cache" in model_tensors(model) and "kv_cache" not in model_tensors(model, [model.kv_cache])
+    monkeypatch.setattr(direct_load, "CHUNK_BYTES", 8)  # 4 bf16 elements: every run crosses chunk boundaries
+    before = fingerprint(model, [model.kv_cache])
+    model.kv_cache.fill_(1.0)  # generation writes the cache: not a weight difference
+    assert not before.differences(fingerprint(model, [model.kv_cache]))
+    model.embed.data.view(-1)[17] = 3.0  # a change in the fifth chunk of a tensor
+    assert before.differences(fingerprint(model, [model.kv_cache])) == ["embed", "head"]  # tied: one tensor
+    flat = model.embed.data.view(-1)
+    flat[:8] = torch.arange(8, dtype=torch.bfloat16)
+    in_order = fingerprint(model)
+    flat[:8] = torch.cat([flat[4:8].clone(), flat[:4].clone()])  # the first two chunks swapped
+    assert fingerprint(model).differences(in_order) == ["embed", "head"]
+    direct = DirectLoad()
+    assert direct.install(model, stacked_weights(1), model.load_weights, ignore=[model.kv_cache]) == "checked"
+    assert direct.plan is not None, direct.plan_refused_reason
+    assert [(n, dst.numel()) for n, dst in direct.plan.steps] == [("q", 16), ("k", 8), ("v", 8), ("norm", 4),
+                                                                  ("embed", 20)]
+    assert direct.install(model, stacked_weights(2), model.load_weights, ignore=[model.kv_cache]) == "copy"
+    expected = Stacked()
+    expected.load_weights(stacked_weights(2)())
+    assert torch.equal(model.qkv, expected.qkv) and torch.equal(model.embed, expected.embed)
