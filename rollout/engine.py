@@ -550,8 +550,8 @@ class RolloutEngine:
         """Pause (``pause_mode``), ``await install()`` (the workers reload their weights), reset the prefix
         cache, relabel, and always resume; returns what ``install()`` returned."""
         paused_at = time.perf_counter()
-        await self._bounded(_pause(llm, self.pause_mode, self.recompute_kv_cache_after_weight_updates),
-                            "pause_generation before a weight update")
+        await self._bounded(_pause(llm, self.pause_mode, self.recompute_kv_cache_after_weight_updates,
+                                   settle=self.stream_version_labels), "pause_generation before a weight update")
         try:
             if self.stream_version_labels and not await drain_frontend(llm):
                 self._stats.version_drain_incomplete += 1
@@ -579,14 +579,16 @@ class RolloutEngine:
         return installed
 
 
-async def _pause(llm, mode: str, clear_cache: bool) -> None:
-    """``AsyncLLM.pause_generation`` without its closing fixed 20 ms sleep (vLLM 0.25.1 and 0.32), which
-    only gives the front end time to deliver the outputs produced before the pause: where that matters
-    (streamed version labels) :func:`rollout.streamed.drain_frontend` waits for exactly that, and with
-    engine-side labels it does not matter. Falls back to ``pause_generation`` where the engine client has
-    no ``pause_scheduler_async``."""
+async def _pause(llm, mode: str, clear_cache: bool, settle: bool) -> None:
+    """Pause generation. ``AsyncLLM.pause_generation`` (vLLM 0.25.1 and 0.32) ends with a fixed 20 ms sleep
+    that gives the front end time to deliver the outputs produced before the pause. With engine-side
+    version labels (``settle`` False) nothing depends on that, and the engine client is paused directly.
+    With streamed labels (``settle``) the full ``pause_generation`` is kept: without its sleep, on H200
+    :func:`rollout.streamed.drain_frontend` hit its 0.5 s bound in most async refits (pause 556 ms mean
+    instead of 49-63 ms; cause not found). Also ``pause_generation`` where the client has no
+    ``pause_scheduler_async``."""
     core = getattr(llm, "engine_core", None)
-    if not hasattr(core, "pause_scheduler_async"):
+    if settle or not hasattr(core, "pause_scheduler_async"):
         await llm.pause_generation(mode=mode, clear_cache=clear_cache)
         return
     if clear_cache and hasattr(getattr(llm, "renderer", None), "clear_mm_cache_async"):

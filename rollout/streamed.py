@@ -13,8 +13,8 @@ after it the new one.
 
 Exactness: vLLM resolves the pause reply as soon as it reaches the front end,
 while step outputs pass through an output queue and the output handler first
-(``AsyncLLM.pause_generation`` sleeps a fixed 20 ms for this; the engine
-pauses without that sleep). :func:`drain_frontend` waits, up to a bound,
+(``AsyncLLM.pause_generation`` sleeps a fixed 20 ms for this, and the engine
+keeps that sleep on this path). :func:`drain_frontend` then waits, up to a bound,
 until that queue is empty and yields to the tasks that consume the outputs,
 so the marks are exact unless the front end is still
 behind when the bound runs out (then some tokens sampled under v are labelled
