@@ -20,8 +20,9 @@
 #                                 # on 2 GPUs with expert parallelism in the learner (EP=2) and two engines
 #   bash bench/gpu_session.sh I   # the refit bench with the copy plan (rollout.direct_load), then the step
 #                                 # breakdown of E again (copy plan, pause without vLLM's fixed 20 ms sleep)
+#   bash bench/gpu_session.sh J   # the dense 0.6B async loop alone, 4 steps (copy plan, pause_generation kept)
 set -u
-PHASE=${1:?phase A to I}
+PHASE=${1:?phase A to J}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -132,6 +133,11 @@ H)
   step moe_ep2_sync_loop 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml --steps 3 \
     --run-dir "$OUT/moe_ep2_sync" $MOE cluster.gpus_per_node=2 rollout_pool.num_engines=2 \
     policy.megatron_cfg.expert_model_parallel_size=2
+  ;;
+J)
+  step dense_async_loop 250 $PY -m services.cli run --recipe recipes/gpu-2xh200-async.yaml --steps 4 \
+    --run-dir "$OUT/dense_async" policy.model_name=$dense $SHAPE policy.refit_transport=collective \
+    logger.tensorboard_enabled=false checkpointing.enabled=false
   ;;
 I)
   step refit 210 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_copy.json"
