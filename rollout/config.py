@@ -41,8 +41,9 @@ class VllmConfig(ConfigModel):
     """Sampling seed of the engine (per-request seeds derive from it)."""
     direct_weight_load: bool = True
     """Collective refit: install pushes with vLLM's plain ``load_weights`` once the first push has proven it
-    gives the same tensors as the layerwise ``reload_weights`` for this model (``rollout.direct_load``); False:
-    always ``reload_weights``."""
+    gives the same tensors as the layerwise ``reload_weights`` for this model, and with one foreach copy into
+    the parameters once a copy plan recorded on that push is proven equal to plain load
+    (``rollout.direct_load``); False: always ``reload_weights``."""
 
 
 class ColocatedConfig(ConfigModel):
