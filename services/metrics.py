@@ -31,7 +31,8 @@ class PoolMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 5), registry=r)
         self.weight_installs = Counter(
             "inflight_weight_installs", "Collective pushes installed per engine, by path (reload: vLLM's layerwise "
-            "reload_weights; direct: plain load_weights, proven equal; checked: both, while proving)", ["path"],
+            "reload_weights; direct: plain load_weights, proven equal; copy: the proven copy plan; checked: "
+            "the paths compared, while proving)", ["path"],
             registry=r)
         self.refit_bytes = Counter("inflight_refit_bytes", "Bytes of weights pushed to engines", registry=r)
         self.refit_failures = Counter("inflight_refit_failures", "Weight pushes rejected or failed", ["reason"],

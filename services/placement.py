@@ -92,17 +92,6 @@ def colocation_group(recipe, pool_name: str, timeout_s: float = GROUP_READY_TIME
     return group
 
 
-def remove_colocation_group(pool_name: str) -> None:
-    """Give the pool's colocation GPUs back (no-op if it has none)."""
-    import ray
-    from ray.util import remove_placement_group
-
-    try:
-        remove_placement_group(ray.util.get_placement_group(colocation_group_name(pool_name)))
-    except ValueError:
-        pass
-
-
 def _options(gpus: float, group, index: int) -> dict:
     if group is None:
         return {"num_gpus": gpus}

@@ -71,6 +71,8 @@ HEALTH_TIMEOUTS_TO_DOWN = 3
 """Health checks in a row that may time out before an engine counts as down. An engine that is busy or starved
 of CPU answers late; marking it down at once would make it flap (and re-form the weight group for nothing). A
 dead process is noticed at once anyway: its calls fail with ``RayActorError``."""
+LEARNER_CHECK = "learner"
+"""The key of the learner channel's late checks (engine ids are ``<pool>-engine-<i>``)."""
 
 
 class RefitError(RuntimeError):
@@ -145,7 +147,7 @@ class RolloutPool:
         self._errors: list[str] = []
         self._counted: dict[str, dict[str, int]] = {}
         self._late_checks: dict[str, int] = {}
-        self._late_learner_checks = 0
+        """Health checks answered late in a row, by engine id (and ``LEARNER_CHECK``)."""
         self._ready = asyncio.Event()
         self._boot: asyncio.Task | None = None
         self._colocation = None
@@ -259,14 +261,21 @@ class RolloutPool:
         try:
             h = await asyncio.wait_for(self.engines[eid].health.remote(), HEALTH_TIMEOUT_S)
         except asyncio.TimeoutError:
-            late = self._late_checks[eid] = self._late_checks.get(eid, 0) + 1
-            if late >= HEALTH_TIMEOUTS_TO_DOWN:
-                raise
-            log.warning("pool %s: engine %s did not answer its health check within %g s (%d in a row)",
-                        self.name, eid, HEALTH_TIMEOUT_S, late)
-            return None
+            if self._tolerate_late(eid, f"engine {eid}"):
+                return None
+            raise
         self._late_checks[eid] = 0
         return h
+
+    def _tolerate_late(self, key: str, what: str) -> bool:
+        """Count one more late answer of ``key`` (an engine id, or ``LEARNER_CHECK``); True (logged) while
+        fewer than ``HEALTH_TIMEOUTS_TO_DOWN`` came in a row: busy or starved of CPU, not yet gone."""
+        late = self._late_checks[key] = self._late_checks.get(key, 0) + 1
+        if late >= HEALTH_TIMEOUTS_TO_DOWN:
+            return False
+        log.warning("pool %s: %s did not answer its health check within %g s (%d in a row)", self.name, what,
+                    HEALTH_TIMEOUT_S, late)
+        return True
 
     async def _check_learner(self) -> None:
         """A learner whose channel is gone (its job ended or was killed) is detached."""
@@ -276,14 +285,10 @@ class RolloutPool:
             return
         try:
             await asyncio.wait_for(self.channel.actor.size.remote(), HEALTH_TIMEOUT_S)
-            self._late_learner_checks = 0
-        except asyncio.TimeoutError:  # busy or starved of CPU: gone only after HEALTH_TIMEOUTS_TO_DOWN in a row
-            self._late_learner_checks += 1
-            if self._late_learner_checks < HEALTH_TIMEOUTS_TO_DOWN:
-                log.warning("pool %s: the learner's channel did not answer within %g s (%d in a row)", self.name,
-                            HEALTH_TIMEOUT_S, self._late_learner_checks)
-                return
-            self._detach_gone_learner()
+            self._late_checks[LEARNER_CHECK] = 0
+        except asyncio.TimeoutError:
+            if not self._tolerate_late(LEARNER_CHECK, "the learner's channel"):
+                self._detach_gone_learner()
         except ray.exceptions.RayActorError:
             self._detach_gone_learner()
 
@@ -627,9 +632,7 @@ class RolloutPool:
             ray.kill(eng, no_restart=True)
         self.engines.clear()
         if self._colocation is not None:
-            from services.placement import remove_colocation_group
-
-            remove_colocation_group(self.name)
+            ray.util.remove_placement_group(self._colocation)
             self._colocation = None
 
     def colocation_group(self):

@@ -38,7 +38,7 @@ PLACE_SCRIPT = r"""
 import json, sys, tempfile
 import ray
 from services.config import RECIPES_DIR, load_recipe
-from services.placement import colocation_group, engine_options, learner_options, remove_colocation_group
+from services.placement import colocation_group, engine_options, learner_options
 
 recipe = load_recipe(RECIPES_DIR / "gpu-1xh200-sync.yaml", sys.argv[1:])
 ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(),
@@ -55,7 +55,7 @@ engines = [Member.options(**engine_options(recipe, i, group)).remote() for i in 
 ranks = [Member.options(**learner_options(recipe, r, group)).remote() for r in range(2)]
 out = {"same_group": again.id == group.id, "engines": ray.get([e.gpus.remote() for e in engines], timeout=60),
        "ranks": ray.get([r.gpus.remote() for r in ranks], timeout=60)}
-remove_colocation_group("placement-test")
+ray.util.remove_placement_group(group)
 print("RESULT " + json.dumps(out))
 """
 

@@ -145,3 +145,45 @@ def test_a_collective_push_landing_while_the_watcher_waits_for_the_refit_lock_le
         assert pool.engine_state["e0"] == {"up": True, "version": 4, "error": None, "pid": 1}
 
     asyncio.run(scenario())
+
+
+def test_the_learner_is_detached_after_three_late_channel_checks_in_a_row_or_at_once_when_its_actor_died(
+        monkeypatch):
+    import types
+
+    import ray
+
+    _fast_checks(monkeypatch, timeout_s=0.05)
+    behaviour = {"mode": "late"}
+
+    async def size():
+        if behaviour["mode"] == "late":
+            await asyncio.sleep(3600)
+        if behaviour["mode"] == "dead":
+            raise ray.exceptions.RayActorError()
+        return 0
+
+    def attach(pool):
+        pool.learner, pool._undelivered = {"id": "L"}, []
+        pool.channel = types.SimpleNamespace(actor=types.SimpleNamespace(size=_Method(size)))
+
+    async def scenario():
+        pool = _pool({})
+        attach(pool)
+        for _ in range(pool_module.HEALTH_TIMEOUTS_TO_DOWN - 1):
+            await pool._check_learner()
+        assert pool.channel is not None                          # busy, not gone
+        behaviour["mode"] = "ok"
+        await pool._check_learner()                              # answers again: the count starts over
+        behaviour["mode"] = "late"
+        for _ in range(pool_module.HEALTH_TIMEOUTS_TO_DOWN - 1):
+            await pool._check_learner()
+        assert pool.channel is not None
+        await pool._check_learner()
+        assert pool.channel is None and pool.learner is None
+        attach(pool)
+        behaviour["mode"] = "dead"
+        await pool._check_learner()
+        assert pool.channel is None                              # a dead actor is gone at once
+
+    asyncio.run(scenario())
