@@ -39,7 +39,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import tempfile
 import time
@@ -306,12 +305,6 @@ def _install_summary(nbytes: int, runs: list[dict]) -> dict:
     return dict(med, runs=runs, gbps=_gbps(nbytes, med["export_to_installed_s"]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -328,6 +321,7 @@ def main() -> None:
     args = ap.parse_args()
     args.buckets = [int(b) for b in args.buckets.split(",")]
     from services import tiny_model
+    from services.cluster import free_port
 
     sizes = dict(tiny_model.SIZES, **{"1.5b": SIZE_1_5B})
     tiny_model.SIZES = sizes  # the bench's larger size, without changing the module's table for others
@@ -338,7 +332,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = ([ctx.Process(target=learner_side, args=(args, model_dir, port, a)),
               ctx.Process(target=engine_side, args=(args, model_dir, port, b, results))] if args.gpus == 2 else
              [ctx.Process(target=one_gpu, args=(args, model_dir, results))])

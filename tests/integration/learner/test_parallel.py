@@ -3,7 +3,6 @@ norm and updated weights as one process; export from them is exact and checkpoin
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import numpy as np
@@ -12,17 +11,13 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from services.cluster import free_port
+
 from learner_batches import groups, make_learner, sequences
 
 WORLD = 2
 TIMEOUT_S = 240.0
 TIMINGS = ("policy_training_s", "tokens_per_s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_path: str) -> None:
@@ -60,7 +55,7 @@ def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_p
 
 
 def _run_two_ranks(model_dir: str, tp: int, ep: int, batch, out_path: str) -> dict:
-    ctx = mp.start_processes(_worker, args=(_free_port(), model_dir, tp, ep, batch, out_path), nprocs=WORLD,
+    ctx = mp.start_processes(_worker, args=(free_port(), model_dir, tp, ep, batch, out_path), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5.0):

@@ -6,7 +6,6 @@ installs what it receives with ``reload_weights``.
 """
 from __future__ import annotations
 
-import socket
 import threading
 
 import numpy as np
@@ -16,17 +15,12 @@ import torch
 from protocol.weight_transfer import WeightTransferGroup
 from rollout.tasks import make_prompts
 from rollout.weight_receiver import WeightUpdateError
+from services.cluster import free_port
 
 from model_weights import model_tensors
 from rollout_engine_helpers import GROUP_SIZE
 
 TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torch_tensors(model_dir: str) -> list[tuple[str, torch.Tensor]]:
@@ -40,7 +34,7 @@ class Sender:
 
     def __init__(self, harness):
         self.harness = harness
-        port = _free_port()
+        port = free_port()
         made: dict = {}
         t = threading.Thread(target=lambda: made.setdefault(
             "group", WeightTransferGroup("127.0.0.1", port, 0, 2, "cpu", TIMEOUT_S)))
