@@ -198,9 +198,10 @@ class LearnerJob:
                     self.last_sample_error = next((t.error for t in group.trajectories if t.error),
                                                   self.last_sample_error)
                 self._drop(group.prompt_id, reason, replace_for=step)
-            if self.buffer.ready(step) > ready:  # a group passed screening: failures are no longer in a row
+            now_ready = self.buffer.ready(step)
+            if now_ready > ready:  # a group passed screening: failures are no longer in a row
                 self.backoff.succeeded()
-            ready = self.buffer.ready(step)
+            ready = now_ready
             held = self.backoff.due()
             if held:
                 self._submit(held)
