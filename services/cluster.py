@@ -2,68 +2,112 @@
 
 A pool must outlive the command that deployed it, so it cannot live in a
 driver-scoped local cluster. When no cluster is given, ``ensure_cluster``
-starts a head node (``ray start --head``) with its own temp dir and records
-its address in ``~/.inflight/cluster.json``; later commands find it there.
+starts a head node (``ray start --head``) with its own temp dir and token
+authentication on (its token in INFLIGHT_HOME, see ``cluster_auth``), and records
+it in ``INFLIGHT_HOME/cluster.json`` (default ``~/.inflight``); later commands
+find it there, and ``stop_cluster`` ends exactly that node's processes.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-STATE = Path(os.environ.get("INFLIGHT_HOME", Path.home() / ".inflight")) / "cluster.json"
+from services import cluster_auth, cluster_procs
+
+
+def state_dir() -> Path:
+    """Inflight's state directory: ``INFLIGHT_HOME``, default ``~/.inflight``."""
+    return Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".inflight").expanduser()
+
+
+def state_file() -> Path:
+    return state_dir() / "cluster.json"
+
+
+def _state() -> dict | None:
+    path = state_file()
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def known_address() -> str | None:
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"]
-    if STATE.exists():
-        return json.loads(STATE.read_text())["address"]
+    state = _state()
+    return state["address"] if state else None
+
+
+def token_for(address: str) -> Path | None:
+    """The token file of the head ``ensure_cluster`` started, when ``address`` is that head."""
+    state = _state()
+    if state and state.get("token_path") and _same_endpoint(address, state["address"]):
+        return Path(state["token_path"])
     return None
 
 
 def ensure_cluster(timeout_s: float = 120.0) -> str:
+    """``RAY_ADDRESS`` if set, else the recorded head if it answers, else a new head node."""
     addr = known_address()
-    if addr and _alive(addr):
+    if os.environ.get("RAY_ADDRESS") or (addr and _alive(addr)):
         return addr
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
     port = free_port()
+    token = cluster_auth.write_token(state_dir())
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--temp-dir={temp}",
            "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=cluster_auth.head_env(token))
     if out.returncode != 0:
         raise RuntimeError(f"could not start a Ray head node: {out.stderr.strip()[-500:]}")
     addr = f"127.0.0.1:{port}"
-    STATE.parent.mkdir(parents=True, exist_ok=True)
-    STATE.write_text(json.dumps({"address": addr, "temp_dir": temp}))
+    state = {"address": addr, "temp_dir": temp, "auth_mode": "token", "token_path": str(token),
+             "head_pids": cluster_procs.snapshot(cluster_procs.root_pids(temp, port))}
+    state_file().write_text(json.dumps(state, indent=1))
     return addr
 
 
 def stop_cluster() -> bool:
-    """Stop the head node that ``ensure_cluster`` started (only its processes: other Ray clusters on the
-    machine are left alone)."""
+    """Stop the head node that ``ensure_cluster`` started: its recorded and matching root processes and
+    every descendant (other Ray clusters on the machine are left alone). False when none is recorded."""
+    state = _state()
+    if state is None:
+        return False
+    port = int(state["address"].rpartition(":")[2])
+    roots = set(cluster_procs.recorded(state.get("head_pids", {})))
+    roots |= set(cluster_procs.root_pids(state["temp_dir"], port))
+    alive = cluster_procs.stop_tree(roots)
+    if alive:
+        raise RuntimeError(f"cluster: could not stop the Ray head's processes {cluster_procs.describe(alive)}")
+    state_file().unlink()
+    if state.get("token_path"):
+        Path(state["token_path"]).unlink(missing_ok=True)
+    shutil.rmtree(state["temp_dir"], ignore_errors=True)
+    return True
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether two ``host:port`` addresses name the same endpoint of this machine (127.0.0.1 vs the node IP)."""
+    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
+    if pa != pb:
+        return False
+    return ha == hb or (_is_local(ha) and _is_local(hb))
+
+
+def _is_local(host: str) -> bool:
+    import socket
+
     import psutil
 
-    if not STATE.exists():
+    if host in ("", "localhost", "0.0.0.0") or host.startswith("127."):
+        return True
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    try:
+        return host in local or socket.gethostbyname(host) in local
+    except OSError:
         return False
-    temp = json.loads(STATE.read_text())["temp_dir"]
-    procs = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp in arg for arg in (p.info["cmdline"] or [])):
-                procs.append(p)
-        except psutil.Error:
-            continue
-    for p in procs:
-        p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        p.kill()
-    STATE.unlink()
-    return True
 
 
 def _alive(addr: str) -> bool:
