@@ -54,6 +54,9 @@ class PoolMetrics:
         self.reward_mean = Gauge("inflight_reward_mean", "Mean reward of the last trained step", registry=r)
         self.gen_kl_error = Gauge("inflight_gen_kl_error", "Engine vs learner KL on fixed sequences after refit",
                                   registry=r)
+        self.learner_skipped_steps = Counter(
+            "inflight_learner_skipped_steps", "Learner steps skipped (non-finite loss or gradient, or no valid "
+            "tokens): nothing trained or pushed, their prompts dropped as step_skipped", registry=r)
         self.tokens_per_s = Gauge("inflight_learner_tokens_per_second", "Learner training throughput", registry=r)
 
     def record_step(self, report: dict) -> None:
@@ -65,6 +68,8 @@ class PoolMetrics:
             self.trajectory_age.observe(age)
         for reason, n in report.get("rejected", {}).items():
             self.rejected.labels(reason=reason).inc(n)
+        if report.get("step_skipped"):
+            self.learner_skipped_steps.inc()
         if "buffer_groups" in report:
             self.buffer_groups.set(report["buffer_groups"])
         for key, gauge in (("step", self.learner_step), ("reward_mean", self.reward_mean),

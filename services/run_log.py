@@ -2,16 +2,48 @@
 summary tables and a reward-curve PNG.
 
 Timing means are over warm steps (step 1 is dropped when there are more), as
-in the seed's write-up.
+in the seed's write-up. TensorBoard is optional: if it cannot start or a write
+fails, one warning says why and the run goes on with the other sinks
+(``metrics.jsonl`` is the record).
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger("inflight.run_log")
 
 TIMING_COLUMNS = [("Total step", "step_s"), ("Policy training", "policy_training_s"),
                   ("Generation exposed", "generation_exposed_s"), ("Refit", "refit_s"), ("Other", "other_s")]
+
+
+class StepTimer:
+    """Wall time of one step split into named phases; ``other`` is the rest."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def summary(self) -> dict[str, float]:
+        total = time.perf_counter() - self.t0
+        out = {f"{k}_s": v for k, v in self.phases.items()}
+        for k in ("policy_training_s", "generation_exposed_s", "refit_s"):
+            out.setdefault(k, 0.0)
+        out["step_s"] = total
+        out["other_s"] = max(0.0, total - sum(self.phases.values()))
+        return out
 
 
 class RunLog:
@@ -27,22 +59,33 @@ class RunLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - TensorBoard is optional; metrics.jsonl is the record
-                self._tb = None
+            except Exception as exc:  # noqa: BLE001 - TensorBoard is optional; metrics.jsonl is the record
+                self._tensorboard_failed("could not start", exc)
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
         if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and math.isfinite(v) and k != "step":
-                    self._tb.add_scalar(k, v, row["step"])
-            self._tb.flush()
+            try:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v) and k != "step":
+                        self._tb.add_scalar(k, v, row["step"])
+                self._tb.flush()
+            except Exception as exc:  # noqa: BLE001 - reported once; metrics.jsonl has the row
+                self._tensorboard_failed(f"failed writing step {row['step']}", exc)
+
+    def _tensorboard_failed(self, what: str, exc: Exception) -> None:
+        log.warning("run log %s: TensorBoard %s (%s: %s); it is off for the rest of the run, metrics.jsonl "
+                    "goes on", self.dir, what, type(exc).__name__, exc)
+        self._tb = None
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except Exception as exc:  # noqa: BLE001 - the run is over; metrics.jsonl is complete
+                self._tensorboard_failed("failed closing", exc)
 
     # ------------------------------------------------------------ summaries
     def warm_rows(self) -> list[dict]:

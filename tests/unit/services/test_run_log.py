@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import json
 
-from services.job import StepTimer
-from services.run_log import RunLog
+from services.run_log import RunLog, StepTimer
 
 
 def test_rows_tables_and_plot(tmp_path):
@@ -31,3 +30,65 @@ def test_step_timer_splits_phases():
     s = t.summary()
     assert s["generation_exposed_s"] == 0.0 and s["refit_s"] == 0.0
     assert abs(s["step_s"] - (s["policy_training_s"] + s["other_s"])) < 1e-9
+
+
+class _Writer:
+    """A stand-in for TensorBoard's SummaryWriter; ``fail`` names the method that raises."""
+
+    fail = ""
+
+    def __init__(self, logdir: str):
+        if self.fail == "init":
+            raise OSError("no space left on device")
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.fail == "add_scalar":
+            raise OSError("no space left on device")
+        self.scalars.append((tag, value, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fake_tensorboard(monkeypatch, fail: str) -> None:
+    import sys
+    import types
+
+    import torch.utils  # the real parents; only the tensorboard module is replaced
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = type("Writer", (_Writer,), {"fail": fail})
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+
+
+def _tb_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "TensorBoard" in r.getMessage()]
+
+
+def test_a_tensorboard_that_cannot_start_is_reported_once_and_metrics_jsonl_still_written(tmp_path, monkeypatch,
+                                                                                         caplog):
+    _fake_tensorboard(monkeypatch, fail="init")
+    with caplog.at_level("WARNING"):
+        log = RunLog(tmp_path, tensorboard=True)
+        log.write({"step": 1, "reward_mean": 0.5})
+        log.write({"step": 2, "reward_mean": 0.6})
+    warnings = _tb_warnings(caplog)
+    assert len(warnings) == 1 and "no space left on device" in warnings[0]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_tensorboard_write_that_fails_is_reported_once_and_the_other_sinks_go_on(tmp_path, monkeypatch, caplog):
+    _fake_tensorboard(monkeypatch, fail="add_scalar")
+    with caplog.at_level("WARNING"):
+        log = RunLog(tmp_path, tensorboard=True)
+        for step in (1, 2, 3):
+            log.write({"step": step, "reward_mean": 0.1 * step})  # used to raise out of the training loop
+    warnings = _tb_warnings(caplog)
+    assert len(warnings) == 1 and "OSError: no space left on device" in warnings[0]
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [r["step"] for r in log.rows] == [1, 2, 3]
+    log.close()
