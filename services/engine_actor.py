@@ -11,6 +11,13 @@ prompt whose generation fails entirely is reported on the same channel as a
 ``ControlMessage(action="error")`` naming the prompt, so the learner can
 account for it (invariant 3: trained once, or dropped with a reason).
 
+If the vLLM engine core dies while the actor lives (``health`` asks vLLM,
+:mod:`rollout.liveness`), nothing is reported failed: ``generate`` hands
+the batch's pending prompts back to the pool for re-queueing, weight calls
+raise :class:`~rollout.liveness.EngineDead`, and ``start`` shuts the dead
+engine down and starts a fresh one in the same process (a new
+``incarnation``).
+
 A send waits at most ``rollout_pool.channel_send_timeout_s`` for room in the
 channel (a learner that stopped reading fills it). A message that cannot be
 delivered is counted (``channel_send_failures``) and its prompt is returned
@@ -22,57 +29,90 @@ serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 
 from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
+from rollout.liveness import EngineDead
 
 log = logging.getLogger("inflight.engine")
 
 
 class EngineActor:
-    def __init__(self, engine_id: str, model_path: str, generation_json: str, max_model_len: int,
+    def __init__(self, engine_id: str, model_path, generation_json: str, max_model_len: int,
                  reward_fn: str, reward_timeout_s: float, recompute_kv: bool, in_flight: bool,
                  channel_timeout_s: float):
         from rollout.config import GenerationConfig
         from rollout.engine import RolloutEngine
         from rollout.rewards import get_reward_fn
+        from services.model_files import ensure_local
 
         self.engine_id = engine_id
-        self.engine = RolloutEngine(model_path, GenerationConfig.model_validate_json(generation_json), max_model_len,
-                                    reward_fn=get_reward_fn(reward_fn), engine_id=engine_id,
-                                    recompute_kv_cache_after_weight_updates=recompute_kv,
-                                    in_flight_weight_updates=in_flight,
-                                    reward_timeout_s=reward_timeout_s)
+        model_path = ensure_local(model_path)  # a ModelFiles: shipped here if this node lacks the directory
+        self._new_engine = functools.partial(
+            RolloutEngine, model_path, GenerationConfig.model_validate_json(generation_json), max_model_len,
+            reward_fn=get_reward_fn(reward_fn), engine_id=engine_id,
+            recompute_kv_cache_after_weight_updates=recompute_kv, in_flight_weight_updates=in_flight,
+            reward_timeout_s=reward_timeout_s)
+        self.engine = self._new_engine()
         self.channel_timeout_s = channel_timeout_s
         self._tasks: set[asyncio.Task] = set()
         self._started = False
+        self._starts = 0
+        self._start_lock = asyncio.Lock()
         self._send_failures = 0
         self.pid = os.getpid()
 
+    @property
+    def incarnation(self) -> str:
+        """``<pid>.<vLLM starts>``: changes when the process or its vLLM engine restarts (the pool's weight
+        group is made of incarnations: a vLLM restarted in the same process is not in it)."""
+        return f"{self.pid}.{self._starts}"
+
     async def start(self) -> dict:
-        if not self._started:
-            await self.engine.start()
-            self._started = True
-        return {"engine_id": self.engine_id, "version": self.engine.version, "pid": self.pid}
+        """Start the vLLM engine. If the one started before has died, shut it down first (its /dev/shm
+        segments are freed) and start a fresh one: it serves the model on disk (``version`` 0, no push)."""
+        async with self._start_lock:
+            if self._started and (reason := self.engine.dead_reason()):
+                log.warning("engine %s: %s; restarting vLLM in this process", self.engine_id, reason)
+                dead, self.engine, self._started = self.engine, self._new_engine(), False
+                try:
+                    await asyncio.wait_for(dead.shutdown(), 120)
+                except Exception:  # noqa: BLE001 - a dead engine's shutdown must not stop the restart
+                    log.exception("engine %s: shutting the dead vLLM engine down failed", self.engine_id)
+            if not self._started:
+                await self.engine.start()
+                self._started, self._starts = True, self._starts + 1
+        return {"engine_id": self.engine_id, "version": self.engine.version, "pid": self.pid,
+                "incarnation": self.incarnation}
 
     async def health(self) -> dict:
-        return {"engine_id": self.engine_id, "ok": self._started, "version": self.engine.version,
-                "running_batches": len(self._tasks), "pid": self.pid}
+        """``ok`` only while vLLM itself can serve (its engine core alive), with the reason otherwise;
+        ``synced``: a push was installed since this vLLM engine started."""
+        error = self.engine.dead_reason() if self._started else "vLLM engine not started"
+        return {"engine_id": self.engine_id, "ok": not error, "error": error, "version": self.engine.version,
+                "synced": self.engine.stats()["refits"] > 0, "running_batches": len(self._tasks),
+                "pid": self.pid, "incarnation": self.incarnation}
 
     async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> dict:
         """Generate one group per prompt, streaming each into ``channel``; returns once every prompt has been
         delivered (as a group or an error report) or given up on: ``{"prompts": n, "undelivered": [{"prompt_id",
-        "scheduled_step", "reason"}, ...]}`` (prompts whose message the channel did not take in time)."""
+        "scheduled_step", "reason"}, ...]}`` (prompts whose message the channel did not take in time). If
+        the vLLM engine core dies meanwhile, the prompts not yet delivered are neither reported nor failed:
+        ``"engine_dead"`` gives the reason and ``"requeue"`` their indices in ``prompt_bytes``, for the pool."""
         requests = [decode(b, expect=PromptRequest) for b in prompt_bytes]
         task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        undelivered = await task
-        return {"prompts": len(requests), "undelivered": undelivered}
+        undelivered, pending, dead = await task
+        return {"prompts": len(requests), "undelivered": undelivered, "engine_dead": dead,
+                "requeue": [i for i, r in enumerate(requests) if dead and r.prompt_id in pending]}
 
-    async def _run(self, requests: list[PromptRequest], group_size: int, channel) -> list[dict]:
+    async def _run(self, requests: list[PromptRequest], group_size: int,
+                   channel) -> tuple[list[dict], dict[str, PromptRequest], str]:
+        """(undelivered, pending, engine_dead): see :meth:`generate`."""
         pending = {r.prompt_id: r for r in requests}
         undelivered: list[dict] = []
         try:
@@ -82,6 +122,10 @@ class EngineActor:
                 if failure:
                     undelivered.append({"prompt_id": group.prompt_id, "scheduled_step": group.scheduled_step,
                                         "reason": failure})
+        except EngineDead as exc:  # nothing reported: the pool re-queues the pending prompts
+            log.warning("engine %s: %s; %d prompts of the batch go back to the pool", self.engine_id, exc,
+                        len(pending))
+            return undelivered, pending, str(exc)[:300]
         except Exception as exc:  # noqa: BLE001 - reported per prompt below
             log.exception("engine %s: generation failed", self.engine_id)
             for pid, req in pending.items():
@@ -93,7 +137,7 @@ class EngineActor:
                 if failure:
                     undelivered.append({"prompt_id": pid, "scheduled_step": req.scheduled_step,
                                         "reason": f"{msg.payload['reason']}; then {failure}"[:500]})
-        return undelivered
+        return undelivered, pending, ""
 
     async def _send(self, channel, data: bytes) -> str:
         """Send one message; '' if it was delivered, else the reason it was not (counted, never raised)."""
@@ -110,19 +154,31 @@ class EngineActor:
         manifest = decode(manifest_bytes, expect=WeightManifest)
         datas = await asyncio.gather(*bucket_refs)
         buckets = [decode(d, expect=WeightBucket) for d in datas]
-        return await self.engine.apply_weights(manifest, buckets, reset=reset)
+        return await self._unless_dead(self.engine.apply_weights(manifest, buckets, reset=reset))
+
+    async def _unless_dead(self, call):
+        """Await ``call``; a failure of an engine whose core died is raised as :class:`EngineDead` (the pool
+        then marks it down and restarts it instead of rejecting a push)."""
+        try:
+            return await call
+        except EngineDead:
+            raise
+        except Exception as exc:
+            if reason := self.engine.dead_reason():
+                raise EngineDead(f"rollout engine {self.engine_id}: {reason}: {type(exc).__name__}") from exc
+            raise
 
     async def weight_group_members(self) -> int:
         return self.engine.weight_group_members
 
     async def join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
                                 timeout_s: float) -> list[int]:
-        return await self.engine.join_weight_group(host, port, rank_base, world_size, timeout_s)
+        return await self._unless_dead(self.engine.join_weight_group(host, port, rank_base, world_size, timeout_s))
 
     async def receive_weights(self, reset: bool = False) -> dict:
         """The next push of the weight group, installed: ``{"version", "bytes", "pause_s", "install_s",
         "install_path"}`` (see :class:`rollout.engine.EngineStats`)."""
-        version = await self.engine.receive_weights(reset=reset)
+        version = await self._unless_dead(self.engine.receive_weights(reset=reset))
         s = self.engine.stats()
         return {"version": version, "bytes": s["refit_bytes_last"], "pause_s": s["pause_seconds_last"],
                 "install_s": s["install_seconds_last"], "install_path": s["install_path_last"]}
@@ -140,7 +196,7 @@ class EngineActor:
     async def stats(self) -> dict:
         s = dict(self.engine.stats())
         s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
-                 running_batches=len(self._tasks), pid=self.pid)
+                 running_batches=len(self._tasks), pid=self.pid, incarnation=self.incarnation)
         return s
 
     async def shutdown(self) -> None:
