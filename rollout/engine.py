@@ -73,6 +73,8 @@ import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, WeightManifest, decode
 from rollout.config import GenerationConfig
+from rollout.liveness import EngineDead, EngineProcesses, dead_reason
+from rollout.kv_stats import KvCounters, build_async_llm
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
 from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
@@ -184,7 +186,9 @@ class RolloutEngine:
         self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
         self._weights_broken = ""
         self._stats = EngineStats()
+        self._kv = KvCounters()
         self._engine_labels = False
+        self._procs = EngineProcesses({}, set())
         self.stream_version_labels = True
         """Label tokens by streaming (:mod:`rollout.streamed`) rather than by the engine's labels. Set at
         :meth:`start` (True when the installed vLLM has no labels); read at every request."""
@@ -215,13 +219,15 @@ class RolloutEngine:
         self._expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         engine_args = AsyncEngineArgs(**self._options.engine_args)
-        build = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
+        children_before = EngineProcesses.before_start()
+        build = asyncio.get_running_loop().run_in_executor(None, build_async_llm, engine_args, self._kv)
         done, _ = await asyncio.wait({build}, timeout=self.start_timeout_s)
         if not done:
             build.add_done_callback(_shutdown_late_engine)
             raise EngineError(f"rollout engine {self.engine_id}: vLLM did not start within "
                               f"{self.start_timeout_s:g}s ({self.model_path})")
         self._llm = build.result()
+        self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
         if self._engine_labels:
@@ -240,6 +246,8 @@ class RolloutEngine:
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
             del llm
             gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit
+        if freed := self._procs.release_leftovers():  # a core that died could not remove its segments
+            logger.warning("rollout engine %s: removed %s left by its dead vLLM processes", self.engine_id, freed)
 
     async def sleep(self) -> None:
         """Release accelerator memory for a colocated learner (vLLM sleep level 1); no-op on CPU."""
@@ -280,9 +288,11 @@ class RolloutEngine:
         return self._options
 
     def stats(self) -> dict:
-        """Counters: groups, samples, tokens, running requests, retries, aborts, refits and their cost."""
+        """Counters: groups, samples, tokens, running requests, retries, aborts, refits and their cost,
+        and vLLM's preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
         out = dict(vars(self._stats))
-        out.update(version=self._version, engine_id=self.engine_id, weights_broken=self._weights_broken)
+        out.update(version=self._version, engine_id=self.engine_id, weights_broken=self._weights_broken,
+                   **self._kv.as_stats())
         return out
 
     async def _bounded(self, awaitable, what: str, seconds: float | None = None):
@@ -297,7 +307,13 @@ class RolloutEngine:
     def _require_started(self):
         if self._llm is None:
             raise EngineError(f"rollout engine {self.engine_id}: not started (call start())")
+        if reason := self.dead_reason():
+            raise EngineDead(f"rollout engine {self.engine_id}: {reason}")
         return self._llm
+
+    def dead_reason(self) -> str:
+        """Why the started vLLM engine cannot serve any more (:mod:`rollout.liveness`); '' while it can."""
+        return dead_reason(self._llm) if self._llm is not None else ""
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False, **extra):
@@ -355,11 +371,11 @@ class RolloutEngine:
         try:
             out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
                                           streamed, request_id)
-        except SampleFailed:
+        except (SampleFailed, EngineDead):
             raise
         except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
-            if self._llm is not None and self._llm.errored:
-                raise EngineError(f"rollout engine {self.engine_id}: vLLM engine died: {exc!r}") from exc
+            if reason := self.dead_reason():
+                raise EngineDead(f"rollout engine {self.engine_id}: {reason}: {exc!r}") from exc
             raise SampleFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
         c = out.outputs[0]
         if c.finish_reason not in ("stop", "length"):
@@ -402,6 +418,8 @@ class RolloutEngine:
             raise EngineError(f"rollout engine {self.engine_id}: weights are inconsistent after a failed "
                               f"reload ({self._weights_broken}); push a complete set of weights first")
         results = await asyncio.gather(*(self._sample_with_retries(request, i) for i in range(group_size)))
+        if any(isinstance(r, SampleFailed) for r in results) and (reason := self.dead_reason()):
+            raise EngineDead(f"rollout engine {self.engine_id}: {reason} (prompt {request.prompt_id})")
         done = [(i, r) for i, r in enumerate(results) if isinstance(r, _Sample)]
         scores = await score_group(self.reward_fn, [RewardInput(s.text, s.token_ids, dict(request.task))
                                                     for _, s in done],
