@@ -1,7 +1,10 @@
 """The learner as Ray actors: one :class:`learner.trainer.Learner` per rank.
 
 ``LearnerGroup`` starts ``world_size`` actors (one per GPU, or one process on
-CPU), gives them a common ``torch.distributed`` rendezvous, and calls every
+CPU), gives them a common ``torch.distributed`` rendezvous on rank 0's node
+(rank 0 reports its node's IP and a port free there, :func:`start_ranks`;
+the model's files are shipped to ranks whose node lacks them,
+:mod:`services.model_files`), and calls every
 method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
 Trajectories reach the actors as protocol bytes in the Ray object store and
 are decoded inside. Weights leave either as encoded ``WeightManifest`` /
@@ -18,20 +21,38 @@ from protocol import TrajectoryGroup, decode, encode
 
 
 class LearnerActor:
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, learner_kwargs: dict):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    def __init__(self, rank: int, world_size: int, learner_kwargs: dict):
+        """Cheap: the rank joins ``torch.distributed`` and builds its model in :meth:`setup`."""
+        self.rank, self.world_size = rank, world_size
+        self._kwargs = dict(learner_kwargs)
+        self.learner = None
+        self._weight_group = None
+        self._staged = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
+        import ray
+
+        from services.cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the ranks at ``master_addr:master_port`` and build the learner from the model's files (shipped
+        to this node if it does not have them, :mod:`services.model_files`); returns the policy version."""
         from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
         from learner.trainer import Learner
+        from services.model_files import ensure_local
 
-        kw = dict(learner_kwargs)
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        kw = dict(self._kwargs)
+        kw["model_path"] = ensure_local(kw["model_path"])
         kw["megatron"] = MegatronConfig.model_validate_json(kw["megatron"])
         kw["loss"] = LossConfig.model_validate_json(kw["loss"])
         kw["packing"] = SequencePackingConfig.model_validate_json(kw["packing"])
-        self.rank = rank
         self.learner = Learner(**kw)
-        self._weight_group = None
-        self._staged = None
+        return self.learner.policy_version
 
     def version(self) -> int:
         return self.learner.policy_version
@@ -40,7 +61,9 @@ class LearnerActor:
         import ray
 
         groups = [decode(b, expect=TrajectoryGroup) for b in ray.get(group_refs)]
-        return self.learner.train_step(groups)
+        metrics: dict = self.learner.train_step(groups)
+        metrics["skip_reason"] = self.learner.last_skip_reason  # "" when the step was applied
+        return metrics
 
     def export_weights(self, bucket_bytes: int):
         """Rank 0 returns ``(manifest_bytes, [bucket refs])``; other ranks take part and return None."""
@@ -117,18 +140,32 @@ class LearnerActor:
         self.learner.shutdown()
 
 
+def start_ranks(actors: list, wait) -> tuple[str, int]:
+    """Meet the ranks where rank 0 runs: ask rank 0 for its node's IP and a port free there, then set every
+    rank up with that address (the driver's node may be another one). ``wait(refs, what)`` resolves refs."""
+    host, port = wait([actors[0].rendezvous_address.remote()], "rendezvous_address")
+    wait([a.setup.remote(host, port) for a in actors], "setup")
+    return host, port
+
+
 class LearnerGroup:
     """All ranks of one learner job, driven in lockstep."""
 
-    def __init__(self, recipe, model_path: str, call_timeout_s: float = 1800.0, colocation=None):
-        """``colocation``: the pool's colocation placement group (``pool.colocation_group``), which puts
-        rank ``i`` on engine ``i``'s GPU; None for separate pools and CPU runs."""
+    def __init__(self, recipe, model_path, call_timeout_s: float = 1800.0, colocation=None):
+        """``model_path``: a model directory on this node, or :class:`~services.model_files.ModelFiles` (ranks on
+        nodes without the directory get its files shipped). ``colocation``: the pool's colocation placement
+        group (``pool.colocation_group``), which puts rank ``j`` on GPU slot ``j``, shared with the engine worker
+        there (engine ``j // k`` for ``k`` GPUs per engine, :mod:`services.placement`); None for separate pools
+        and CPU runs."""
         import ray
 
+        from services.model_files import ModelFiles, share
         from services.placement import PlacementError, check_learner_fits, colocation_bundles, learner_options
-        from services.cluster import free_port
 
         self.timeout = call_timeout_s
+        self._own_files = not isinstance(model_path, ModelFiles)
+        model_path = share(model_path) if self._own_files else model_path
+        self.files = model_path
         world = max(1, recipe.learner_gpus)
         p = recipe.policy
         kwargs = dict(model_path=model_path, megatron=p.megatron_cfg.model_dump_json(),
@@ -143,12 +180,10 @@ class LearnerGroup:
         if colocation is not None and len(colocation.bundle_specs) < world:
             raise PlacementError(f"the pool's colocation group has {len(colocation.bundle_specs)} GPU bundles; "
                                  f"this learner has {world} ranks (its recipe's cluster must match the pool's)")
-        addr = ray.util.get_node_ip_address()
-        port = free_port()
         self.actors = [ray.remote(LearnerActor).options(num_cpus=0, max_restarts=0,
                                                         **learner_options(recipe, r, colocation)
-                                                        ).remote(r, world, addr, port, kwargs) for r in range(world)]
-        self.call("version")  # surfaces construction errors here, bounded
+                                                        ).remote(r, world, kwargs) for r in range(world)]
+        self.master = start_ranks(self.actors, self.wait)  # surfaces construction errors here, bounded
 
     def call(self, method: str, *args):
         return self.wait(self.call_async(method, *args), method)
@@ -174,3 +209,5 @@ class LearnerGroup:
             pass
         for a in self.actors:
             ray.kill(a)
+        if self._own_files and self.files.holder is not None:
+            ray.kill(self.files.holder)
