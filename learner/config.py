@@ -32,7 +32,8 @@ class OptimizerConfig(ConfigModel):
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
     lr_decay_steps: int | None = Field(None, ge=1)
-    """Steps over which the rate decays to ``min_lr`` (default: ``grpo.max_num_steps``)."""
+    """Steps over which the rate decays to ``min_lr`` (warm-up included); a recipe that leaves it out gets
+    ``grpo.max_num_steps`` at load. Must exceed ``lr_warmup_steps`` for a linear or cosine schedule."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
 

@@ -100,8 +100,10 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerSta
     with device_redirect():
         optimizer = get_megatron_optimizer(mcfg, [ddp_model])
     if cfg.lr_decay_style != "constant" and cfg.lr_decay_steps is None:
-        raise ValueError(f"lr_decay_steps: required for lr_decay_style={cfg.lr_decay_style!r}")
-    decay_steps = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
+        raise ValueError(f"lr_decay_steps: required for lr_decay_style={cfg.lr_decay_style!r} (a recipe sets it "
+                         f"to grpo.max_num_steps when left out)")
+    # a constant rate ignores the decay span; Megatron only needs it past the warm-up
+    decay_steps = cfg.lr_warmup_steps + 1 if cfg.lr_decay_style == "constant" else cfg.lr_decay_steps
     if cfg.lr_warmup_steps >= decay_steps:
         raise ValueError(f"lr_warmup_steps ({cfg.lr_warmup_steps}) must be < lr_decay_steps ({decay_steps})")
     scheduler = OptimizerParamScheduler(

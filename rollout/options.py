@@ -125,15 +125,18 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...] | None, version
 
 def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
                          caps: VllmCapabilities | None = None, colocated: bool = False) -> EngineOptions:
-    """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``colocated`` engines
-    sleep while the learner trains, which needs vLLM's sleep mode on GPU."""
+    """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``max_model_len`` is the
+    context length unless ``cfg.max_model_len`` sets one (the services pass ``policy.max_total_sequence_length``).
+    ``colocated`` engines sleep while the learner trains, which needs vLLM's sleep mode on GPU."""
     caps = caps or probe_vllm()
     on_cpu = caps.platform == "cpu"
+    max_model_len = cfg.max_model_len or max_model_len
     args: dict[str, Any] = dict(model=model_path, tokenizer=model_path, max_model_len=max_model_len,
                                 seed=cfg.seed, dtype=cfg.precision, enforce_eager=cfg.enforce_eager,
                                 max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
                                 worker_extension_cls=WORKER_EXTENSION)
-    applied = {"seed": f"seed={cfg.seed}", "precision": f"dtype={cfg.precision!r}",
+    applied = {"max_model_len": f"max_model_len={max_model_len}", "seed": f"seed={cfg.seed}",
+               "precision": f"dtype={cfg.precision!r}",
                "max_num_seqs": f"max_num_seqs={cfg.max_num_seqs}",
                "enable_prefix_caching": f"enable_prefix_caching={cfg.enable_prefix_caching}"}
     env: dict[str, str] = {}

@@ -1,28 +1,30 @@
-"""Asynchronous lag-1 ("1-off") GRPO.
+"""Asynchronous GRPO with lag A = ``grpo.async_grpo.max_trajectory_age_steps`` (A = 1: "1-off").
 
-Generation of step k+1 overlaps training of step k:
+Generation runs up to A steps ahead of training:
 
-    push v0; schedule prompts of step 1
+    push v0; schedule prompts of steps 1..A
     for k = 1..N:
-        schedule prompts of step k+1       (the pool generates them with v(k-1) ...)
-        wait for the groups of step k      (generated with v(k-2); age 1 in steady state)
+        schedule prompts of step k+A       (the pool generates them with v(k-1) ...)
+        wait for the groups of step k      (generated with v(k-1-A); age A in steady state)
         train step k                       -> v(k)
         push v(k) in flight                (... and finishes them with v(k): tokens carry versions)
 
 The learner only waits for generation when the pool is slower than training
-("generation exposed"). Groups older than ``max_trajectory_age_steps`` are
+("generation exposed"). Groups with a token more than A versions old are
 dropped by the buffer and replaced, never trained on.
 """
 from __future__ import annotations
 
-from services.job import LearnerJob, StepTimer
+from services.job import LearnerJob
+from services.run_log import StepTimer
 
 
 def run_async(job: LearnerJob) -> None:
-    job.start(prefetch=True)                        # weights v(step) on every engine; prompts of the next step
+    ahead = job.recipe.grpo.async_grpo.max_trajectory_age_steps
+    job.start(prefetch=ahead)                       # weights v(step) on every engine; prompts of the next A steps
     for step in job.steps():
         timer = StepTimer()
-        job.schedule(step + 1)                      # overlaps with everything below
+        job.schedule(step + ahead)                  # overlaps with everything below
         with timer.phase("generation_exposed"):
             groups = job.collect(step)              # exactly num_prompts_per_step fresh-enough groups
         with timer.phase("policy_training"):

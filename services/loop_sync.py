@@ -10,7 +10,8 @@ With colocated generation on GPU the engines sleep while the learner trains
 """
 from __future__ import annotations
 
-from services.job import LearnerJob, StepTimer
+from services.job import LearnerJob
+from services.run_log import StepTimer
 
 
 def run_sync(job: LearnerJob, colocated: bool) -> None:

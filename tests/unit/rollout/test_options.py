@@ -35,6 +35,15 @@ def test_gpu_recipe_maps_every_option():
     assert "moe_backend='flashinfer_cutlass' (KernelConfig.moe_backend)" in opts.applied["moe_backend"]
 
 
+def test_vllm_cfg_max_model_len_sets_the_engine_context_length():
+    """``policy.generation.vllm_cfg.max_model_len`` reaches vLLM; unset, the caller's sequence length does."""
+    for caps in (GPU, CPU):
+        opts = build_engine_options(GPU_RECIPE.model_copy(update={"max_model_len": 8192}), "/m", 4096, caps)
+        assert opts.engine_args["max_model_len"] == 8192
+        assert "policy.generation.vllm_cfg.max_model_len -> max_model_len=8192" in opts.describe()
+        assert build_engine_options(GPU_RECIPE, "/m", 4096, caps).engine_args["max_model_len"] == 4096
+
+
 def test_colocated_engines_get_sleep_mode_on_gpu_only():
     assert build_engine_options(GPU_RECIPE, "/m", 4096, GPU, colocated=True).engine_args["enable_sleep_mode"] is True
     assert "enable_sleep_mode" not in build_engine_options(GPU_RECIPE, "/m", 4096, GPU).engine_args
