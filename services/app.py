@@ -34,11 +34,7 @@ def admin_token(recipe, run_dir: Path | None = None) -> str:
 
 def deploy_pool(recipe, run_dir: Path | None = None) -> dict:
     model_path = resolve_model(recipe.policy.model_name)
-    status = pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))
-    if not status.get("ready"):
-        raise RuntimeError(f"rollout pool {recipe.rollout_pool.name!r} did not become ready: "
-                           f"{status.get('errors') or status.get('engines')}")
-    return status
+    return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # raises PoolStartError if not ready
 
 
 def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:

@@ -8,7 +8,8 @@
     inflight validate --recipe PATH [key=value ...]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|llama|qwen3_moe] [--size tiny|small|0.6b]
 
-User errors (bad recipe, bad arguments) print one line and exit 2; no traceback.
+User errors (bad recipe, bad arguments, a cluster that refuses the connection) print one line and exit 2; a
+pool that does not start prints its reason in one line and exits 1; no traceback.
 """
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ import json
 import sys
 from pathlib import Path
 
+from services.cluster_auth import ClusterConnectError
 from services.config import RecipeError, load_recipe, recipe_to_yaml
+from services.pool_startup import PoolStartError
 
 EXIT_USER_ERROR = 2
+EXIT_FAILED = 1
 
 
 def _recipe(args, extra: list[str] | None = None):
@@ -159,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except ClusterConnectError as err:
+        print(f"inflight: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except PoolStartError as err:  # the pool removed what it had made; one line, no traceback
+        print(f"inflight: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except (RecipeError, UserError) as err:
         print(f"inflight: {'recipe error: ' if isinstance(err, RecipeError) else ''}{err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
+from services.gpu_layout import check_gpu_layout
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -36,9 +37,11 @@ class AsyncGrpoConfig(ConfigModel):
     """``grpo.async_grpo``: lag-1 asynchronous GRPO."""
 
     enabled: bool = False
-    """Overlap generation of step k+1 with training of step k (requires non-colocated generation)."""
+    """Overlap generation of later steps with training of step k (requires non-colocated generation)."""
     max_trajectory_age_steps: int = Field(1, ge=1, le=64)
-    """Oldest token a trained group may hold, in policy versions behind the step; older groups are dropped."""
+    """A: generation runs up to A steps ahead of training (prompts of step k+A are scheduled when step k starts,
+    so a trained group is A versions old in steady state), and a group holding a token more than A policy
+    versions older than the step is dropped and replaced. 1 is lag-1 ("1-off") async GRPO."""
     in_flight_weight_updates: bool = True
     """Push new weights without draining running requests (pause(keep) -> load -> resume)."""
     recompute_kv_cache_after_weight_updates: bool = False
@@ -58,6 +61,10 @@ class GrpoConfig(ConfigModel):
     """Divide group-centred rewards by the group's std (+1e-6); False keeps only the centring."""
     seed: int = Field(42, ge=0)
     """Seed of data order, sampling and initialisation."""
+    max_consecutive_skipped_steps: int = Field(3, ge=1, le=1000)
+    """Learner steps in a row that may be skipped (non-finite loss or gradient, no valid tokens) before the job
+    stops with the learner's reason; a skipped step trains nothing, pushes nothing and drops its prompts as
+    ``step_skipped``."""
     async_grpo: AsyncGrpoConfig = Field(default_factory=AsyncGrpoConfig)
     """Asynchronous (lag-1) mode."""
 
@@ -69,8 +76,6 @@ class PolicyConfig(ConfigModel):
     """HF model directory, or ``tiny://ARCH[?seed=N&size=S]`` to build a random tiny model locally."""
     max_total_sequence_length: int = Field(8192, ge=16)
     """Prompt + answer tokens of one sequence."""
-    train_micro_batch_size: int = Field(1, ge=1)
-    """Rows per micro-batch when packing is off."""
     refit_bucket_mb: int = Field(512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
     refit_transport: Literal["object_store", "collective"] = "object_store"
@@ -123,6 +128,12 @@ class ClusterConfig(ConfigModel):
     """Nodes."""
     gpus_per_node: int = Field(0, ge=0, le=16)
     """GPUs per node; 0 runs on CPU."""
+    engine_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rollout engine asks for besides its GPUs, which keeps engines on the nodes that
+    offer them: e.g. ``{"rollout_node": 0.01}`` with ``ray start --resources='{"rollout_node": 1}'`` on those
+    nodes. Not used by a colocated pool on GPUs (its placement group decides)."""
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank asks for besides its GPU (see ``engine_resources``)."""
 
 
 class RolloutPoolConfig(ConfigModel):
@@ -132,8 +143,6 @@ class RolloutPoolConfig(ConfigModel):
     """Ray Serve application name; learners attach to it by name."""
     num_engines: int = Field(1, ge=1, le=1024)
     """vLLM engine replicas."""
-    gpus_per_engine: int | None = Field(None, ge=1)
-    """GPUs per engine; default: tensor x pipeline parallel size of ``vllm_cfg``."""
     http_host: str = "127.0.0.1"
     """Address of /healthz, /readyz, /metrics; loopback unless told otherwise."""
     http_port: int = Field(8123, ge=0, le=65535)
@@ -172,7 +181,8 @@ class LoggerConfig(ConfigModel):
     log_dir: str = "runs/latest"
     """Run directory (metrics.jsonl, plots, checkpoints)."""
     parity_probe_sequences: int = Field(4, ge=0)
-    """Sequences scored by engine and learner after each refit (gen KL parity probe); 0 disables it."""
+    """Fixed sequences (prompt tokens + a fixed continuation) scored by the learner and by every engine installed
+    since it was last probed, after the first push and after each refit (gen KL parity probe); 0 disables it."""
     parity_max_gen_kl: float = Field(0.01, gt=0.0)
     """Largest gen KL the probe accepts after a refit. Above it the engine is not serving the learner's
     weights (e.g. a load path that scrambles fused tensors): the job pushes once more and, if the probe
@@ -231,40 +241,30 @@ class Recipe(ConfigModel):
         if g.vllm_cfg.max_model_len is not None and g.vllm_cfg.max_model_len < p.max_total_sequence_length:
             raise ValueError(f"policy.generation.vllm_cfg.max_model_len ({g.vllm_cfg.max_model_len}) must be >= "
                              f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
-        self._check_gpus()
+        ahead = a.max_trajectory_age_steps * self.grpo.num_prompts_per_step
+        if a.enabled and self.rollout_pool.max_inflight_groups < ahead:
+            raise ValueError(f"rollout_pool.max_inflight_groups ({self.rollout_pool.max_inflight_groups}) must be >= "
+                             f"grpo.async_grpo.max_trajectory_age_steps x grpo.num_prompts_per_step ({ahead}): "
+                             f"the groups generated ahead wait in the learner's channel while it trains")
+        self._resolve_lr_decay_steps()
+        check_gpu_layout(self)
         return self
 
-    def _check_gpus(self):
-        c = self.cluster
-        total = c.num_nodes * c.gpus_per_node
-        if total == 0:
-            return
-        v, m = self.policy.generation.vllm_cfg, self.policy.megatron_cfg
-        per_engine = self.rollout_pool.gpus_per_engine or v.tensor_parallel_size * v.pipeline_parallel_size
-        if v.expert_parallel_size > per_engine:
-            raise ValueError(f"policy.generation.vllm_cfg.expert_parallel_size ({v.expert_parallel_size}) must be "
-                             f"<= GPUs per engine ({per_engine})")
-        pool = self.rollout_pool.num_engines * per_engine
-        if self.policy.generation.colocated.enabled:
-            learner = total
-            if pool > total:
-                raise ValueError(f"rollout_pool: {self.rollout_pool.num_engines} engines x {per_engine} GPUs = "
-                                 f"{pool} > cluster total {total} (colocated)")
-        else:
-            learner = self.rollout_pool.learner_gpus if self.rollout_pool.learner_gpus is not None else total - pool
-            if learner + pool != total:
-                raise ValueError(f"cluster: learner GPUs ({learner}) + rollout GPUs ({pool} = "
-                                 f"{self.rollout_pool.num_engines} engines x {per_engine}) must equal "
-                                 f"num_nodes x gpus_per_node ({total})")
-            if learner <= 0:
-                raise ValueError(f"cluster: no GPUs left for the learner ({total} total, {pool} for the pool)")
-        mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-        if learner % mp:
-            raise ValueError(f"policy.megatron_cfg: learner GPUs ({learner}) not divisible by TP x PP ({mp})")
-        dp = learner // mp
-        if (dp * m.tensor_model_parallel_size) % m.expert_model_parallel_size:
-            raise ValueError(f"policy.megatron_cfg.expert_model_parallel_size ({m.expert_model_parallel_size}) must "
-                             f"divide DP x TP ({dp * m.tensor_model_parallel_size}) of the learner")
+    def _resolve_lr_decay_steps(self) -> None:
+        """``lr_decay_steps`` defaults to ``grpo.max_num_steps``; a decaying schedule must outlast its warm-up."""
+        o = self.policy.megatron_cfg.optimizer
+        if o.lr_decay_steps is None:
+            o.lr_decay_steps = self.grpo.max_num_steps
+        if o.lr_decay_style != "constant" and o.lr_warmup_steps >= o.lr_decay_steps:
+            raise ValueError(f"policy.megatron_cfg.optimizer.lr_warmup_steps ({o.lr_warmup_steps}) must be < "
+                             f"lr_decay_steps ({o.lr_decay_steps}; default grpo.max_num_steps) for "
+                             f"lr_decay_style={o.lr_decay_style!r}")
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """GPUs one vLLM engine takes: ``vllm_cfg.tensor_parallel_size x pipeline_parallel_size``."""
+        v = self.policy.generation.vllm_cfg
+        return v.tensor_parallel_size * v.pipeline_parallel_size
 
     @property
     def learner_gpus(self) -> int:
@@ -272,11 +272,9 @@ class Recipe(ConfigModel):
         total = c.num_nodes * c.gpus_per_node
         if self.policy.generation.colocated.enabled:
             return total
-        v = self.policy.generation.vllm_cfg
-        per_engine = self.rollout_pool.gpus_per_engine or v.tensor_parallel_size * v.pipeline_parallel_size
         if self.rollout_pool.learner_gpus is not None:
             return self.rollout_pool.learner_gpus
-        return total - self.rollout_pool.num_engines * per_engine
+        return total - self.rollout_pool.num_engines * self.gpus_per_engine
 
 
 # ---------------------------------------------------------------- loading
@@ -359,10 +357,22 @@ def _model_at(path: tuple) -> type[ConfigModel] | None:
     return model
 
 
+REMOVED_KEYS = {
+    "policy.train_micro_batch_size": "no code read it; with policy.sequence_packing.enabled=false every sequence is "
+                                     "a micro-batch of its own, with packing a micro-batch holds up to "
+                                     "policy.sequence_packing.train_mb_tokens tokens",
+    "rollout_pool.gpus_per_engine": "an engine takes policy.generation.vllm_cfg.tensor_parallel_size x "
+                                    "pipeline_parallel_size GPUs; set those instead",
+}
+"""Keys recipes used to accept, with what to write instead (shown when a recipe still names one)."""
+
+
 def _explain(err: ValidationError) -> RecipeError:
     e = err.errors()[0]
     loc = tuple(e["loc"])
     path = ".".join(str(p) for p in loc)
+    if e["type"] == "extra_forbidden" and path in REMOVED_KEYS:
+        return RecipeError(path, f"removed key: {REMOVED_KEYS[path]}")
     if e["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         known = list(parent.model_fields) if parent else []

@@ -36,11 +36,22 @@ RULES = """
 - `grpo.async_grpo.enabled` requires `policy.generation.colocated.enabled: false` and
   `loss_fn.use_importance_sampling_correction: true`
 - `policy.generation.vllm_cfg.max_model_len >= policy.max_total_sequence_length` when set
+- async: `rollout_pool.max_inflight_groups >= grpo.async_grpo.max_trajectory_age_steps x
+  grpo.num_prompts_per_step` (the groups generated ahead wait in the learner's channel)
 - `rollout_pool.channel_send_timeout_s < policy.generation.request_timeout_s`
-- with GPUs (`cluster.gpus_per_node > 0`): colocated pools fit in the cluster; otherwise learner GPUs +
-  `rollout_pool.num_engines` x GPUs per engine = `num_nodes x gpus_per_node`; learner GPUs divisible by
-  TP x PP; `expert_model_parallel_size` divides DP x TP; vLLM `expert_parallel_size` <= GPUs per engine
+- with GPUs (`cluster.gpus_per_node > 0`, `services/gpu_layout.py`): an engine takes `k =
+  vllm_cfg.tensor_parallel_size x pipeline_parallel_size` GPUs of one node (`k <= gpus_per_node`, at most
+  `num_nodes x (gpus_per_node // k)` engines); colocated: `k` divides `gpus_per_node` and
+  `rollout_pool.num_engines x k = num_nodes x gpus_per_node` (= the learner's ranks; `learner_gpus` unset);
+  otherwise learner GPUs + `rollout_pool.num_engines x k = num_nodes x gpus_per_node`; learner GPUs
+  divisible by TP x PP; `expert_model_parallel_size` divides DP x TP; vLLM `expert_parallel_size <= k`
 - `policy.megatron_cfg.optimizer.min_lr <= lr`; `policy.generation.temperature > 0`
+- `policy.megatron_cfg.optimizer.lr_decay_steps` (default `grpo.max_num_steps`) `> lr_warmup_steps` for a
+  linear or cosine `lr_decay_style`
+
+Removed keys (a recipe that still names one is rejected with what to write instead):
+`policy.train_micro_batch_size` (never read; packing or one sequence per micro-batch decides), and
+`rollout_pool.gpus_per_engine` (an engine takes `vllm_cfg.tensor_parallel_size x pipeline_parallel_size` GPUs).
 """
 
 

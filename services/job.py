@@ -14,12 +14,13 @@ like the algorithm; this class holds the machinery behind each line:
   ``rollout_pool.channel_send_timeout_s`` — are dropped as ``undelivered`` and
   replaced; replacements of failed prompts back off, :mod:`services.backoff`),
   bounded by a deadline;
-- ``train(groups)``   one optimizer step on the learner ranks;
+- ``train(groups)``   one optimizer step on the learner ranks (a step the learner
+  skips drops its prompts as ``step_skipped``, :mod:`services.skips`);
 - ``push_weights()``  move the learner's weights to every engine (in flight: the
   engines keep generating) by the recipe's transport (:mod:`services.refit`),
-  retried up to ``REFIT_ATTEMPTS`` times;
-- ``finish_step()``   parity probe, metrics.jsonl / TensorBoard / Prometheus,
-  checkpoint.
+  retried up to ``REFIT_ATTEMPTS`` times; nothing when the version did not advance;
+- ``finish_step()``   parity probe (:mod:`services.parity`; ``start`` probes too),
+  metrics.jsonl / TensorBoard / Prometheus, checkpoint.
 """
 from __future__ import annotations
 
@@ -28,9 +29,7 @@ import logging
 import shutil
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -40,8 +39,10 @@ from services.buffer import TrajectoryBuffer
 from services.channel import ChannelTimeout, TrajectoryChannel
 from services.data import PromptSource
 from services.ledger import PromptLedger
+from services.parity import ParityProbe, fixed_sequences
 from services.refit import make_refit
-from services.run_log import RunLog
+from services.run_log import RunLog, StepTimer
+from services.skips import DROP_REASON, SkippedSteps
 
 log = logging.getLogger("inflight.job")
 REFIT_ATTEMPTS = 3
@@ -51,70 +52,6 @@ UNDELIVERED_POLL_S = 5.0
 
 class StepTimeout(TimeoutError):
     """The pool did not deliver a step's groups in time."""
-
-
-class ParityError(RuntimeError):
-    """After a refit the engines' log-probs disagree with the learner's beyond ``logger.parity_max_gen_kl``."""
-
-
-def parity_stats(engine: list, learner: list) -> dict:
-    """gen KL (``mean(exp(d) - 1 - d)``, d = engine - learner log-prob) and the absolute differences."""
-    e = np.concatenate([np.asarray(x, np.float64) for x in engine])
-    l = np.concatenate([np.asarray(x, np.float64) for x in learner])
-    d = e - l
-    return {"gen_kl_error": float(np.mean(np.exp(d) - 1.0 - d)), "parity_max_abs_logprob_diff": float(np.abs(d).max()),
-            "parity_mean_abs_logprob_diff": float(np.abs(d).mean())}
-
-
-PARITY_HISTORY = 5
-"""Accepted refits whose median gen KL is the baseline of ``logger.parity_max_gen_kl_ratio``."""
-PARITY_RATIO_FLOOR = 1e-6
-"""The baseline is at least this, so that float32 noise (~1e-11) never makes a jump."""
-
-
-def check_parity(stats: dict, max_gen_kl: float, version: int, history: Sequence[float] = (),
-                 max_ratio: float = 0.0) -> None:
-    """Raise :class:`ParityError` if ``stats`` (from :func:`parity_stats`) exceed ``max_gen_kl``, or, with
-    ``max_ratio`` and a ``history`` of accepted gen KLs, ``max_ratio`` x their median (at least
-    :data:`PARITY_RATIO_FLOOR`): a wrong install can stay under any absolute limit on a model with
-    near-uniform outputs, yet it jumps by orders of magnitude over the run's own level."""
-    kl = stats.get("gen_kl_error", 0.0)
-    baseline = max(float(np.median(history[-PARITY_HISTORY:])), PARITY_RATIO_FLOOR) if history else None
-    if not kl <= max_gen_kl:  # NaN fails too
-        why = f"gen KL {kl:.3g} > logger.parity_max_gen_kl {max_gen_kl:g}"
-    elif max_ratio and baseline is not None and kl > max_ratio * baseline:
-        why = (f"gen KL {kl:.3g} is {kl / baseline:.0f}x the median {baseline:.3g} of the last accepted refits "
-               f"(logger.parity_max_gen_kl_ratio {max_ratio:g})")
-    else:
-        return
-    raise ParityError(f"parity probe after the refit to v{version}: {why} (mean |d logprob| "
-                      f"{stats['parity_mean_abs_logprob_diff']:.3g}, max {stats['parity_max_abs_logprob_diff']:.3g}): "
-                      f"the engines are not serving the learner's weights")
-
-
-class StepTimer:
-    """Wall time of one step split into named phases; ``other`` is the rest."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
-
-    def summary(self) -> dict[str, float]:
-        total = time.perf_counter() - self.t0
-        out = {f"{k}_s": v for k, v in self.phases.items()}
-        for k in ("policy_training_s", "generation_exposed_s", "refit_s"):
-            out.setdefault(k, 0.0)
-        out["step_s"] = total
-        out["other_s"] = max(0.0, total - sum(self.phases.values()))
-        return out
 
 
 class LearnerJob:
@@ -138,28 +75,34 @@ class LearnerJob:
         self.rejected: dict[str, int] = {}
         self.backoff = ReplacementBackoff()
         self.last_sample_error = ""  # why a sample of the last group dropped for too few valid samples failed
-        self.parity_set: list[tuple[list[int], list[int]]] = []
-        self.parity_history: list[float] = []
-        """gen KL of the last accepted refits (the baseline of ``logger.parity_max_gen_kl_ratio``)."""
+        self.parity = ParityProbe(recipe.logger, pool, learner)  # services.parity: the rule of invariant 1
         self.step = 0
         self.version = int(learner.call("version"))
         self.refit = make_refit(recipe, pool, learner)
         self.last_refit: dict = {}
+        self.pushed_version = -1  # the version last pushed to the engines
+        self.skips = SkippedSteps(g.max_consecutive_skipped_steps)
         self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
         if resume:
-            self._resume()
+            self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
+        if not self.parity.sequences:
+            self.parity.sequences = fixed_sequences([p.prompt_ids for p in self.source.prompts],
+                                                    recipe.logger.parity_probe_sequences,
+                                                    recipe.policy.max_total_sequence_length)
         self.log = RunLog(self.run_dir, recipe.logger.tensorboard_enabled)
         pool.attach.remote(self.id, self.channel).result(timeout_s=60)
 
     # ------------------------------------------------------------ the loop's verbs
-    def start(self, prefetch: bool) -> None:
-        """Install the learner's weights on the pool and (re)submit outstanding prompts."""
+    def start(self, prefetch: int) -> None:
+        """Install the learner's weights on the pool, probe every engine, and (re)submit outstanding prompts;
+        with none outstanding (a fresh run), schedule the next ``prefetch`` steps."""
         self.push_weights(reset=True)
+        self.checked_parity()
         pending = [self.open_requests[p] for p in self.ledger.pending() if p not in self._buffered_ids()]
         if pending:
             self._submit(pending)
-        elif prefetch:
-            self.schedule(self.step + 1)
+        for step in range(self.step + 1, self.step + 1 + prefetch) if not pending else ():
+            self.schedule(step)
 
     def steps(self):
         from tqdm import tqdm
@@ -246,23 +189,28 @@ class LearnerJob:
         ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
         metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered])
         self.version = int(self.learner.call("version"))
+        skipped = self.skips.record(metrics)  # nothing trained: the prompts are dropped (services.skips)
         for b in buffered:
-            self.ledger.mark_trained(b.group.prompt_id, b.group.scheduled_step)
+            if skipped:
+                self.ledger.mark_dropped(b.group.prompt_id, DROP_REASON)
+            else:
+                self.ledger.mark_trained(b.group.prompt_id, b.group.scheduled_step)
             self.open_requests.pop(b.group.prompt_id, None)
-        if not self.parity_set:
-            self.parity_set = [(b.group.prompt_ids.tolist(), t.response_ids.tolist())
-                               for b in buffered for t in b.group.valid if t.response_ids.size][
-                              :self.recipe.logger.parity_probe_sequences]
         metrics["trajectory_ages"] = ages
         metrics["trajectory_age_mean"] = float(np.mean(ages))
         metrics["trajectory_age_max"] = float(np.max(ages))
         return metrics
 
     def push_weights(self, reset: bool = False) -> dict:
+        """Push the learner's version; without ``reset``, nothing (``{}``) if it was pushed already (skipped step)."""
+        if not reset and self.version == self.pushed_version:
+            self.last_refit = {}
+            return self.last_refit
         last = None
         for attempt in range(1, REFIT_ATTEMPTS + 1):
             try:
                 self.last_refit = self.refit.push(reset)
+                self.pushed_version = self.version
                 return self.last_refit
             except Exception as exc:  # noqa: BLE001 - retried, then reported with the cause
                 last = exc
@@ -273,7 +221,7 @@ class LearnerJob:
     def finish_step(self, step: int, metrics: dict, timer: StepTimer) -> dict:
         self.step = step
         with timer.phase("parity_probe"):
-            parity = self.checked_parity()
+            parity = self.checked_parity()  # after a skipped step too: same weights, still a valid check
         times = timer.summary()
         times["other_s"] += times.pop("parity_probe_s", 0.0)
         row = {"step": step, "policy_version": self.version, **times}
@@ -290,43 +238,22 @@ class LearnerJob:
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.buffer)
         row.update({f"dropped_{k}": v for k, v in self.buffer.drops.items()})
+        if metrics.get("step_skipped"):
+            row["skip_reason"] = self.skips.last_reason
         self.log.write(row)
         report = {**row, "trajectory_ages": metrics.get("trajectory_ages", []), "rejected": dict(self.rejected)}
         self.rejected.clear()
         self.pool.report_step.remote(report)
+        self.skips.check(step)  # too many skipped steps in a row stop the job, once their rows are written
         ck = self.recipe.checkpointing
         if ck.enabled and (step % ck.save_period == 0 or step == self.last_step):
             self.save_checkpoint()
         return row
 
-    def parity_probe(self) -> dict:
-        """Engine vs learner log-probs of fixed sequences, both at the version just pushed."""
-        if not self.parity_set:
-            return {}
-        prompts, responses = [p for p, _ in self.parity_set], [r for _, r in self.parity_set]
-        engine_side = self.pool.logprobs_of.remote(prompts, responses)  # runs while the learner scores its side
-        mine = self.learner.call("logprobs", prompts, responses)
-        return parity_stats(engine_side.result(timeout_s=300), mine)
-
     def checked_parity(self) -> dict:
-        """:meth:`parity_probe`; on a failure push the weights once more and probe again, then give up."""
-        cfg = self.recipe.logger
-        history = self.parity_history
-
-        def check(stats: dict) -> None:
-            check_parity(stats, cfg.parity_max_gen_kl, self.version, history, cfg.parity_max_gen_kl_ratio)
-
-        stats = self.parity_probe()
-        try:
-            check(stats)
-        except ParityError as exc:
-            log.warning("%s; pushing the weights again", exc)
-            self.push_weights(reset=True)
-            stats = self.parity_probe()
-            check(stats)
-        if "gen_kl_error" in stats:
-            history[:] = (history + [stats["gen_kl_error"]])[-PARITY_HISTORY:]
-        return stats
+        """Probe the engines (re)installed since their last probe (:mod:`services.parity`); on a failure push the
+        weights once more and probe again, then stop with ``ParityError``."""
+        return self.parity.checked(self.version, lambda: self.push_weights(reset=True))
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -334,7 +261,7 @@ class LearnerJob:
         extra = {"step": self.step, "data_position": self.source.position(), "ledger": self.ledger.state(),
                  "buffer": [b.data for b in self.buffer.all_groups()],
                  "open_requests": [encode(r) for r in self.open_requests.values()],
-                 "parity_set": self.parity_set, "drops": dict(self.buffer.drops)}
+                 "parity_set": self.parity.sequences, "drops": dict(self.buffer.drops)}
         self.learner.call("save_checkpoint", str(path), extra)
         (self._ckpt_root() / "latest").write_text(path.name)
         keep = self.recipe.checkpointing.keep_top_k
@@ -362,7 +289,7 @@ class LearnerJob:
             self.buffer.add(decode(data, expect=TrajectoryGroup), data)
         self.open_requests = {r.prompt_id: r for r in (decode(b, expect=PromptRequest)
                                                        for b in extra["open_requests"])}
-        self.parity_set = [tuple(x) for x in extra["parity_set"]]
+        self.parity.sequences = [tuple(x) for x in extra["parity_set"]]
         self.buffer.drops.update(extra.get("drops", {}))
         self._resumed_rows(self.step)
         log.info("resumed from %s at step %d, version %d", path, self.step, self.version)

@@ -28,6 +28,13 @@ Faults (docs/reliability.md):
   prompts go to the healthy engines (prompts submitted while no engine is
   healthy wait the same way). Groups the dead engine had already delivered
   come again; the learner drops those as duplicates.
+- **vLLM engine core death** inside a live actor: its ``health`` asks vLLM
+  and says not ok, its ``generate`` calls return their pending prompts as
+  ``requeue`` (never reported failed) and its weight calls raise
+  ``EngineDead``; the pool marks it down, re-queues those prompts, and the
+  watcher has the actor restart vLLM in place (a new *incarnation*: the
+  weight group is keyed by incarnation, not pid) and reinstalls the latest
+  weights on it even if the version numbers match (``synced`` false).
 - **Weight pushes** go to the engines that are up; an engine that is down
   gets the latest version from the watcher before it serves again (if none is
   up, the push waits for one, bounded by its timeout). A push
@@ -103,10 +110,13 @@ def _refit_failure_reason(errors: list[BaseException]) -> str:
 
 
 def _engine_gone(exc: BaseException) -> bool:
-    """The engine actor's process died or is restarting."""
+    """The engine actor's process died or is restarting, or its vLLM engine core died (the watcher restarts it)."""
     import ray
 
-    return isinstance(exc, ray.exceptions.RayActorError)  # includes ActorUnavailableError (restarting)
+    from rollout.liveness import EngineDead
+
+    # RayActorError includes ActorUnavailableError (restarting)
+    return isinstance(exc, ray.exceptions.RayActorError) or isinstance(_cause(exc), EngineDead)
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -119,7 +129,7 @@ def _cause(exc: BaseException) -> BaseException:
                   health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress(app)
 class RolloutPool:
-    def __init__(self, recipe_json: str, model_path: str, admin_token: str):
+    def __init__(self, recipe_json: str, model_path, admin_token: str):
         from services.config import Recipe
 
         self.recipe = Recipe.model_validate_json(recipe_json)
@@ -132,7 +142,7 @@ class RolloutPool:
         self._next_engine = 0
         self.version = 0
         self._latest_weights: tuple[bytes, list] | None = None
-        self._weight_group: dict[str, int] | None = None  # engine id -> pid of its process, while in the group
+        self._weight_group: dict[str, str] | None = None  # engine id -> its incarnation, while in the group
         self.learner: dict | None = None
         self.channel = None
         self.paused = False
@@ -165,50 +175,31 @@ class RolloutPool:
 
     # ------------------------------------------------------------ engines
     async def _start_engines(self) -> None:
-        import ray
+        """Place, create and boot the engines (:mod:`services.pool_startup`). Any error stops the start-up at
+        once and removes what it made (engines, colocation group); the reason goes to ``errors`` and ``_ready``
+        is set either way, so ``wait_ready`` answers at once and :func:`deploy` fails with the reason."""
+        from services.placement import colocation_group
+        from services.pool_startup import BOOT_TIMEOUT_S, boot_engines, create_engines, discard_engines, reason
 
-        from services.engine_actor import EngineActor
-        from services.placement import colocation_group, engine_options
-
-        r = self.recipe
-        gen = r.policy.generation
+        started: dict[str, dict] = {}
         try:
-            self._colocation = await asyncio.to_thread(colocation_group, r, self.name)
-        except Exception as exc:  # noqa: BLE001 - reported by /v1/status and wait_ready, the pool stays up
-            self._errors.append(f"placement: {exc}"[:300])
+            self._colocation = await asyncio.to_thread(colocation_group, self.recipe, self.name)
+            create_engines(self.recipe, self.name, self.model_path, self._colocation, into=self.engines)
+            await boot_engines(self.engines, BOOT_TIMEOUT_S, started)
+            for eid in self.engines:
+                res = started[eid]
+                self.engine_state[eid] = {"up": True, "version": res["version"], "pid": res["pid"], "error": None,
+                                          "incarnation": res.get("incarnation")}
+                self.metrics.engine_up.labels(engine=eid).set(1)
+            self.metrics.policy_version.set(self.version)
+        except Exception as exc:  # noqa: BLE001 - any start-up error fails the deploy, leaving nothing behind
+            why = f"start-up failed: {reason(exc)}"[:500]
+            log.error("pool %s: %s; removing its engines and placement group", self.name, why)
+            self._errors.append(why)
+            self._errors.extend(await discard_engines(self.engines, set(started), self._colocation))
+            self._colocation = None
+        finally:
             self._ready.set()
-            return
-        ncpu = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        for i in range(r.rollout_pool.num_engines):
-            eid = f"{self.name}-engine-{i}"
-            actor_cls = ray.remote(EngineActor).options(
-                name=eid, namespace="inflight", lifetime="detached", get_if_exists=True, max_restarts=-1,
-                max_concurrency=1000, num_cpus=0, **engine_options(r, i, self._colocation),
-                runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}})
-            self.engines[eid] = actor_cls.remote(
-                eid, self.model_path, gen.model_dump_json(), r.policy.max_total_sequence_length, r.env.reward_fn,
-                r.env.reward_timeout_s, r.grpo.async_grpo.recompute_kv_cache_after_weight_updates,
-                r.grpo.async_grpo.in_flight_weight_updates,
-                channel_timeout_s=r.rollout_pool.channel_send_timeout_s)
-        boot_timeout = 600.0
-        results = await asyncio.gather(*[self._boot_one(e, boot_timeout) for e in self.engines.values()],
-                                       return_exceptions=True)
-        for eid, res in zip(self.engines, results):
-            ok = not isinstance(res, BaseException)
-            self.engine_state[eid] = {"up": ok, "version": res["version"] if ok else None,
-                                      "pid": res["pid"] if ok else None,
-                                      "error": None if ok else f"start failed: {res!r}"[:300]}
-            self.metrics.engine_up.labels(engine=eid).set(1 if ok else 0)
-            if not ok:
-                self._errors.append(f"{eid}: {res!r}"[:300])
-        self.metrics.policy_version.set(self.version)
-        self._ready.set()
-
-    async def _boot_one(self, engine, timeout_s: float) -> dict:
-        """Wait until the actor answers, then start its engine. (Measured: a ``start`` call submitted from
-        the replica while the actor was still being created never arrived; a first cheap call fixes it.)"""
-        await asyncio.wait_for(engine.health.remote(), timeout_s)
-        return await asyncio.wait_for(engine.start.remote(), timeout_s)
 
     async def _watch_engines(self) -> None:
         """Every ``HEALTH_PERIOD_S``: check the learner, then each engine in a task of its own, so that one
@@ -235,11 +226,15 @@ class RolloutPool:
             h = await self._health(eid)
             if h is None:
                 return  # late, not yet HEALTH_TIMEOUTS_TO_DOWN times in a row
-            if not h["ok"]:
-                self._mark_down(eid, RuntimeError("vLLM engine not running (actor restarted); starting it"))
+            if not h["ok"]:  # a new actor process, or vLLM's engine core died inside the actor
+                why = h.get("error") or "vLLM engine not running (actor restarted)"
+                self._mark_down(eid, RuntimeError(f"{why}; starting it"))
                 await asyncio.wait_for(eng.start.remote(), 600)
                 h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
-            if h["version"] != self.version and self._latest_weights is not None:
+                if not h["ok"]:
+                    raise RuntimeError(f"vLLM engine still not serving after a restart: {h.get('error')}")
+            # A restarted vLLM serves the model on disk: reinstall even if its version happens to match.
+            if (h["version"] != self.version or not h.get("synced", True)) and self._latest_weights is not None:
                 async with self._refit_lock:
                     # Read again under the lock: a push may have landed meanwhile. A collective one clears
                     # _latest_weights (reading it unchecked raised TypeError and marked a healthy engine down).
@@ -248,7 +243,8 @@ class RolloutPool:
                         h["version"] = self.version
                     else:
                         h = await asyncio.wait_for(eng.health.remote(), HEALTH_TIMEOUT_S)
-            self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"])
+            self.engine_state[eid].update(up=True, version=h["version"], error=None, pid=h["pid"],
+                                          incarnation=h.get("incarnation"))
             self.metrics.engine_up.labels(engine=eid).set(1)
             self._count(eid, await asyncio.wait_for(eng.stats.remote(), HEALTH_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - recorded, retried next period
@@ -301,9 +297,10 @@ class RolloutPool:
     def _count(self, eid: str, stats: dict) -> None:
         """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted
         engine starts from zero again)."""
-        seen = self._counted.setdefault(eid, {"pid": stats.get("pid"), "tokens": 0, "groups": 0})
-        if seen["pid"] != stats.get("pid"):
-            seen.update(pid=stats.get("pid"), tokens=0, groups=0)
+        now_in = stats.get("incarnation", stats.get("pid"))
+        seen = self._counted.setdefault(eid, {"incarnation": now_in, "tokens": 0, "groups": 0})
+        if seen["incarnation"] != now_in:
+            seen.update(incarnation=now_in, tokens=0, groups=0)
         for key, stat, counter in (("tokens", "tokens_generated", self.metrics.generation_tokens),
                                    ("groups", "groups", self.metrics.groups_generated)):
             now = int(stats.get(stat, 0))
@@ -329,24 +326,39 @@ class RolloutPool:
                 task.add_done_callback(self._batches.discard)
 
     async def _track(self, eid: str, batch: _Batch) -> None:
-        """Wait until ``eid`` has delivered ``batch``; if the engine's process dies first, re-queue it."""
+        """Wait until ``eid`` has delivered ``batch``; if the engine's process dies first, re-queue it; if the call
+        fails otherwise, hand its prompts to their learner as undelivered, with the cause."""
         import ray
 
         try:
             result = await self.engines[eid].generate.remote(batch.prompts, batch.group_size, batch.channel)
             self._record_undelivered(eid, batch, result["undelivered"])
+            if result.get("engine_dead"):  # its vLLM engine core died: the pending prompts come back, unreported
+                self._requeue(eid, _Batch([batch.prompts[i] for i in result["requeue"]], batch.group_size,
+                                          batch.channel), RuntimeError(result["engine_dead"]))
         except ray.exceptions.RayActorError as exc:
-            log.warning("pool %s: engine %s died with %d prompts in flight; re-queueing them",
-                        self.name, eid, len(batch.prompts))
-            self._mark_down(eid, exc)
+            self._requeue(eid, batch, exc)
+        except ray.exceptions.TaskCancelledError:  # shutdown_engines cancels running batches
+            log.info("pool %s: batch of %d prompts on engine %s cancelled", self.name, len(batch.prompts), eid)
+        except Exception as exc:  # noqa: BLE001 - a bug (the engine reports per-prompt failures itself)
+            log.exception("pool %s: batch of %d prompts on engine %s failed", self.name, len(batch.prompts), eid)
+            from protocol import PromptRequest, decode  # its groups will not come: the learner drops them at once
+            why = f"generate on engine {eid} failed: {type(_cause(exc)).__name__}: {_cause(exc)}"[:500]
+            self._keep_undelivered(eid, batch, [{"prompt_id": r.prompt_id, "scheduled_step": r.scheduled_step,
+                                                 "reason": why} for r in (decode(p, expect=PromptRequest)
+                                                                          for p in batch.prompts)])
+
+    def _requeue(self, eid: str, batch: _Batch, exc: BaseException) -> None:
+        """``eid`` died (its process or its vLLM engine core) before delivering ``batch``: mark it down and
+        send the batch to the healthy engines (or let it wait for one)."""
+        log.warning("pool %s: engine %s died with %d prompts in flight (%s); re-queueing them",
+                    self.name, eid, len(batch.prompts), f"{type(exc).__name__}: {exc}"[:200])
+        self._mark_down(eid, exc)
+        if batch.prompts:
             self.requeued_prompts += len(batch.prompts)
             self.metrics.requeued_prompts.inc(len(batch.prompts))
             self._waiting.append(batch)
-            self._send_waiting()
-        except ray.exceptions.TaskCancelledError:  # shutdown_engines cancels running batches
-            log.info("pool %s: batch of %d prompts on engine %s cancelled", self.name, len(batch.prompts), eid)
-        except Exception:  # noqa: BLE001 - the engine reports per-prompt failures itself; this is a bug
-            log.exception("pool %s: batch of %d prompts on engine %s failed", self.name, len(batch.prompts), eid)
+        self._send_waiting()
 
     def _record_undelivered(self, eid: str, batch: _Batch, undelivered: list[dict]) -> None:
         """Count the prompts ``eid`` could not deliver and keep them for their learner (if still attached)."""
@@ -355,6 +367,10 @@ class RolloutPool:
         self.metrics.channel_send_failures.inc(len(undelivered))
         log.warning("pool %s: engine %s could not deliver %d groups to channel %s (first: %s)", self.name, eid,
                     len(undelivered), batch.channel.name, undelivered[0]["reason"])
+        self._keep_undelivered(eid, batch, undelivered)
+
+    def _keep_undelivered(self, eid: str, batch: _Batch, undelivered: list[dict]) -> None:
+        """Keep prompts of ``batch`` whose groups will not come for its learner (``take_undelivered``), if attached."""
         if self.channel is not None and batch.channel.name == self.channel.name:
             self._undelivered.extend({**u, "engine_id": eid} for u in undelivered)
 
@@ -450,9 +466,14 @@ class RolloutPool:
                 raise self._refit_failed("?", {"pool": exc}) from None
             owned = [ray.put(d) for d in datas]
             targets = [e for e in self.engines if self.engine_state.get(e, {}).get("up", True)]
+            # An engine that installed this very version in an attempt that failed elsewhere keeps it: the
+            # learner's retry would otherwise be rejected there as "not newer" (a reset push installs again).
+            installed = [] if reset else [e for e in targets
+                                          if self.engine_state.get(e, {}).get("version") == manifest.version]
+            targets = [e for e in targets if e not in installed]
             results = await asyncio.gather(*[self._apply_to(eid, manifest_bytes, owned, reset, timeout_s)
                                              for eid in targets], return_exceptions=True)
-            installed, failed = [], {}
+            failed: dict[str, BaseException] = {}
             for eid, res in zip(targets, results):
                 if _engine_gone(res):  # restarted later with the latest weights
                     self._mark_down(eid, res)
@@ -472,12 +493,13 @@ class RolloutPool:
                     "engines": len(installed)}
 
     # ------------------------------------------------------------ collective pushes
-    def _up(self) -> dict[str, int]:
-        """Engines that are up -> the pid of their process."""
-        return {e: s.get("pid") for e, s in self.engine_state.items() if s.get("up")}
+    def _up(self) -> dict[str, str]:
+        """Engines that are up -> their incarnation (process and vLLM start; a vLLM restarted inside the same
+        process has left the weight group, though its pid is the same)."""
+        return {e: s.get("incarnation") for e, s in self.engine_state.items() if s.get("up")}
 
     async def weight_group_current(self) -> bool:
-        """True while the weight group holds exactly the engine processes that are up."""
+        """True while the weight group holds exactly the engine incarnations that are up."""
         return self._weight_group is not None and self._weight_group == self._up()
 
     async def engines_wanting_weights(self) -> list[str]:
@@ -510,7 +532,7 @@ class RolloutPool:
             failed = self._group_failures(eids, results)
             if failed:
                 raise self._refit_failed("?", failed)
-            self._weight_group = {e: self.engine_state[e].get("pid") for e in eids}
+            self._weight_group = {e: self.engine_state[e].get("incarnation") for e in eids}
             log.info("pool %s: weight group %s:%d formed with %s (world %d)", self.name, host, port, eids,
                      plan["world_size"])
             return {"engines": eids, "world_size": plan["world_size"]}
@@ -584,9 +606,10 @@ class RolloutPool:
         self.engine_state.setdefault(eid, {}).update(version=version)
         return version
 
-    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        healthy = self._healthy() or list(self.engines)
-        return await asyncio.wait_for(self.engines[healthy[0]].logprobs_of.remote(prompt_ids, response_ids),
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                          engine_id: str | None = None) -> list[list[float]]:  # default: the first healthy engine
+        eid = engine_id or (self._healthy() or list(self.engines))[0]
+        return await asyncio.wait_for(self.engines[eid].logprobs_of.remote(prompt_ids, response_ids),
                                       self.recipe.policy.generation.request_timeout_s)
 
     async def sleep_engines(self) -> None:
@@ -636,8 +659,9 @@ class RolloutPool:
             self._colocation = None
 
     def colocation_group(self):
-        """The placement group whose bundle ``i`` engine ``i`` and learner rank ``i`` share (colocated
-        recipes on GPUs; None otherwise): a learner job places its ranks with it."""
+        """The colocation placement group (colocated recipes on GPUs; None otherwise): learner rank ``j`` takes
+        half of GPU slot ``j``, engine ``i`` of ``k`` GPUs the slots ``k*i .. k*i+k-1`` (services.placement).
+        A learner job places its ranks with it."""
         return self._colocation
 
     def check_health(self) -> None:
@@ -697,13 +721,33 @@ class RolloutPool:
 
 # ---------------------------------------------------------------- deploy / connect
 
-def deploy(recipe, model_path: str, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
-    """Start (or update) the pool application on the connected Ray cluster and wait until it is ready."""
+def deploy(recipe, model_path, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
+    """Start (or update) the pool application on the connected Ray cluster and wait until it is ready. A pool
+    that does not start is removed (Serve application, engines, colocation group) and
+    :class:`~services.pool_startup.PoolStartError` gives the reason. ``model_path``: a model directory on this
+    node (registered with :func:`services.model_files.share` so that engines on other nodes get its files) or
+    a :class:`~services.model_files.ModelFiles`."""
+    from services.model_files import ModelFiles, release, share
+    from services.pool_startup import PoolStartError, reason, remove_pool
+
+    name = recipe.rollout_pool.name
+    if not isinstance(model_path, ModelFiles):
+        model_path = share(model_path, owner=name)
     http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or free_port()}
     serve.start(http_options=http)
-    handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
-                       name=recipe.rollout_pool.name, route_prefix="/", blocking=False)
-    status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+    try:
+        handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
+                           name=name, route_prefix="/", blocking=False)
+        status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+        why = None if status.get("ready") else ("; ".join(status.get("errors") or [])
+                                                or f"engines not ready: {status.get('engines')}")
+    except Exception as exc:  # noqa: BLE001 - the pool is removed and the reason raised below
+        why = reason(exc)
+    if why is not None:
+        remove_pool(name, recipe.rollout_pool.num_engines)
+        release(name)
+        raise PoolStartError(f"rollout pool {name!r} did not start: {why} (its Serve application, engines and "
+                             f"placement group were removed)")
     status["http"] = f"http://{http['host']}:{http_port()}"
     return status
 
@@ -725,6 +769,9 @@ def http_port() -> int:
 
 
 def shutdown(name: str) -> None:
+    from services.model_files import release
+
     handle = connect(name)
     handle.shutdown_engines.remote().result(timeout_s=300)
     serve.delete(name)
+    release(name)

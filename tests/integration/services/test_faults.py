@@ -5,6 +5,10 @@ One pool (two engines, the tiny model, 1 GiB KV cache each) is deployed for the 
 - bad weight pushes through ``pool.update_weights`` are rejected as a whole: the
   pool keeps its version, the engine keeps generating, the error and
   ``inflight_refit_failures{reason}`` say why;
+- the parity probe scores both engines after a job's first push and after every
+  push; scrambled weights installed on one engine behind the pool's back are
+  caught by the next probe (that engine was installed since its last probe),
+  pushed again and repaired;
 - corrupted messages in a learner's trajectory channel (a NaN log-prob, junk
   bytes) are rejected and counted as ``malformed``; a group of a prompt that
   was never scheduled is counted, not trained;
@@ -31,7 +35,7 @@ import httpx
 import numpy as np
 import pytest
 
-from services.job import StepTimer
+from services.run_log import StepTimer
 
 from model_weights import model_tensors
 from test_pool_and_loops import rows, scrape, tiny_recipe
@@ -181,6 +185,83 @@ def test_bad_weight_pushes_are_rejected_and_the_old_version_keeps_serving(pool):
         timeout_s=300)["version"] == version + 1, "a good push after the bad ones must still work"
 
 
+# ------------------------------------------------------------------ parity probe on every engine
+
+def _scrambled_install(engine_id: str, model_path: str, version: int) -> None:
+    """Install the model's weights with the rows of every matrix reversed on one engine, through its actor (behind
+    the pool's back), at the pool's version: the pool still counts the engine as serving that version."""
+    import ray
+
+    from protocol import encode, pack_buckets
+
+    scrambled = [(n, d, s, raw.reshape(s[0], -1)[::-1].reshape(-1) if len(s) == 2 else raw)
+                 for n, d, s, raw in model_tensors(model_path)]
+    manifest, buckets = pack_buckets(scrambled, version, 64 * 1024)
+    actor = ray.get_actor(engine_id, namespace="inflight")
+    assert ray.get(actor.apply_weights.remote(encode(manifest), bucket_refs(buckets), True), timeout=120) == version
+
+
+def _engine_vs_learner(engine_id: str, learner) -> float:
+    """Largest |engine - learner| log-prob on fixed tokens, asking the engine's actor directly."""
+    import ray
+
+    prompts, responses = [[11, 12, 13], [21, 22]], [[14, 15, 16, 17], [23, 24, 25]]
+    engine = ray.get(ray.get_actor(engine_id, namespace="inflight").logprobs_of.remote(prompts, responses), timeout=120)
+    mine = learner.call("logprobs", prompts, responses)
+    return max(float(np.abs(np.subtract(e, m)).max()) for e, m in zip(engine, mine))
+
+
+@pytest.mark.timeout(600)
+def test_a_wrong_install_on_one_of_two_engines_is_caught_by_the_probe_and_repaired(pool, tmp_path):
+    """Engine 1 gets scrambled weights after the job's first push; the next probe must look at it (it was
+    installed since it was last probed), fail, push again and leave both engines serving the learner's weights."""
+    from services.job import LearnerJob
+    from services.learner_actor import LearnerGroup
+    from services.model_source import resolve_model
+
+    recipe, handle, _ = pool
+    run_recipe = tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=1", "checkpointing.enabled=false")
+    model_path = resolve_model(recipe.policy.model_name)
+    engines = sorted(_status(handle)["engines"])
+    learner = LearnerGroup(run_recipe, model_path)
+    job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
+    try:
+        job.start(prefetch=False)
+        assert sorted(job.parity.last["parity_gen_kl_by_engine"]) == engines  # both probed after the first push
+        assert all(_engine_vs_learner(e, learner) < 1e-3 for e in engines)
+        _scrambled_install(engines[1], model_path, job.version)
+        wrong = _engine_vs_learner(engines[1], learner)
+        assert wrong > 0.05, f"the scrambled install changed nothing ({wrong})"
+        job.checked_parity()
+        repaired = {e: _engine_vs_learner(e, learner) for e in engines}
+        print(f"\nwrong install on {engines[1]}: max |d logprob| {wrong:.3g}; after the probe {repaired}")
+        assert all(d < 1e-3 for d in repaired.values()), "the probe missed the engine serving wrong weights"
+
+        from services.parity import ParityError
+        _scrambled_install(engines[1], model_path, job.version)
+        with pytest.raises(ParityError, match=f"on engine {engines[1]}: gen KL"):
+            job.parity.probe(job.version)
+        assert job.checked_parity()["parity_engines_probed"] == 2  # the second push reinstalled both
+    finally:
+        job.close()
+        learner.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_both_engines_are_probed_after_the_first_push_and_after_every_push(pool, tmp_path):
+    from services.app import run_learner
+
+    recipe, handle, _ = pool
+    engines = sorted(_status(handle)["engines"])
+    run_learner(tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=2", "checkpointing.enabled=false"),
+                recipe.rollout_pool.name, tmp_path, resume=False)
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        assert r["parity_engines_probed"] == 2 and sorted(r["parity_gen_kl_by_engine"]) == engines, r
+        assert r["gen_kl_error"] == max(r["parity_gen_kl_by_engine"].values()) < 1.5e-3
+
+
 # ------------------------------------------------------------------ bad messages in the channel
 
 @pytest.mark.timeout(300)
@@ -322,13 +403,15 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
 # ------------------------------------------------------------------ engine death
 
 class EngineKiller(threading.Thread):
-    """Once step ``after_step`` is written, SIGKILL engine ``engine_id`` while it has a batch in flight, then
-    time the recovery: the next step written (by the surviving engine) and the killed engine ready again
-    (new process, current version)."""
+    """Once step ``after_step`` is written, SIGKILL engine ``engine_id`` while it has a batch in flight (its actor
+    process, or with ``target="core"`` only the ``VLLM::EngineCore`` child of the live actor), then time the
+    recovery: the engine marked down, the next step written (by the surviving engine) and the killed engine
+    ready again (new incarnation, current version)."""
 
-    def __init__(self, handle, engine_id: str, run_dir, after_step: int):
+    def __init__(self, handle, engine_id: str, run_dir, after_step: int, target: str = "actor"):
         super().__init__(daemon=True)
         self.handle, self.engine_id, self.run_dir, self.after_step = handle, engine_id, run_dir, after_step
+        self.target = target
         self.times: dict[str, float] = {}
         self.error: BaseException | None = None
 
@@ -354,15 +437,21 @@ class EngineKiller(threading.Thread):
             time.sleep(0.05)
         self.steps_at_kill = len(rows(self.run_dir))
         self.version_at_kill = _status(self.handle)["version"]
-        os.kill(health["pid"], signal.SIGKILL)
+        self.killed_pid = health["pid"] if self.target == "actor" else _engine_core_of(health["pid"])
+        os.kill(self.killed_pid, signal.SIGKILL)
         self.times["kill"], self.kill_wall = time.monotonic(), time.time()
-        self.old_pid = health["pid"]
+        self.old_pid, self.old_incarnation = health["pid"], health.get("incarnation")
         while "ready" not in self.times or "step" not in self.times:
             now = time.monotonic()
             assert now < deadline + 300, f"no recovery: {_status(self.handle)}"
             status = _status(self.handle)
             state = status["engines"][self.engine_id]
-            if "ready" not in self.times and state.get("up") and state.get("pid") not in (None, self.old_pid):
+            if "down" not in self.times and not state.get("up"):
+                self.times["down"] = now
+            assert "down" in self.times or now - self.times["kill"] < DOWN_WITHIN_S, \
+                f"{self.engine_id} was not marked down within {DOWN_WITHIN_S:g} s of the kill: {state}"
+            if ("ready" not in self.times and state.get("up")
+                    and state.get("incarnation") not in (None, self.old_incarnation)):
                 self.times["ready"] = now
                 self.version_at_ready = status["version"]
             if "step" not in self.times and len(rows(self.run_dir)) > self.steps_at_kill:
@@ -370,6 +459,17 @@ class EngineKiller(threading.Thread):
             time.sleep(0.25)
 
 
+def _engine_core_of(actor_pid: int) -> int:
+    """The pid of the vLLM engine core process among an engine actor's children."""
+    import psutil
+
+    cores = [p.pid for p in psutil.Process(actor_pid).children(recursive=True)
+             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, f"expected one EngineCore child of the engine actor {actor_pid}, found {cores}"
+    return cores[0]
+
+
+DOWN_WITHIN_S = 60.0  # a few health periods (5 s), even on a loaded box
 MAX_STEPS = 200  # steps are short (~3 s); the run ends once the restarted engine has served, or at RUN_BUDGET_S
 RUN_BUDGET_S = 540.0
 GROUPS_AFTER_RESTART = 3
@@ -381,6 +481,29 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
     """The async lag-1 loop (services/loop_async.py, spelled out so the run can end once the killed engine
     has rejoined and served): kill one engine after step 1 with a batch in flight. With ``collective`` the
     restarted engine is outside the weight group until the learner re-forms it."""
+    killer, _, state = _one_of_two_killed_mid_run(pool, tmp_path, transport, "actor")
+    assert state["pid"] != killer.old_pid
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_vllm_engine_core_killed_inside_a_live_engine_is_restarted_in_place_and_its_prompts_requeued(
+        pool, tmp_path, transport):
+    """As above, but only the ``VLLM::EngineCore`` child of engine 1 is SIGKILLed; its actor lives on. The pool
+    must notice (health asks vLLM), re-queue the batch instead of failing its prompts, restart vLLM inside the same
+    actor and re-sync its weights (a new incarnation: with ``collective`` the group is re-formed though the
+    actor's pid is unchanged)."""
+    import psutil
+
+    killer, summary, state = _one_of_two_killed_mid_run(pool, tmp_path, transport, "core")
+    assert state["pid"] == killer.old_pid, "the actor process was replaced: the test killed more than the core"
+    assert not psutil.pid_exists(killer.killed_pid) and _engine_core_of(killer.old_pid) != killer.killed_pid
+    assert "generation_failed" not in summary["dropped_by_reason"], f"prompts were failed, not re-queued: {summary}"
+
+
+def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> tuple[EngineKiller, dict, dict]:
+    """Run the loop, kill ``target`` of engine 1 after step 1, check the common outcome; returns the killer, the
+    ledger summary and the killed engine's final state."""
     from services.job import LearnerJob
     from services.learner_actor import LearnerGroup
     from services.model_source import resolve_model
@@ -396,7 +519,7 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
     learner = LearnerGroup(run_recipe, model_path)
     job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
     received = GroupLog(job)
-    killer = EngineKiller(handle, victim, tmp_path, after_step=1)
+    killer = EngineKiller(handle, victim, tmp_path, after_step=1, target=target)
 
     def rejoined() -> list:
         """Groups the restarted process delivered (created after the kill, by the killed engine's name)."""
@@ -430,9 +553,11 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
     by_engine = {e: sum(1 for g in received.groups if g[0] == e and g[1] > killer.kill_wall) for e in engines}
     summary = job.ledger.summary()
     requeued = _status(handle)["requeued_prompts"] - requeued_before
-    print(f"engine death (1 of 2, {transport}): next step written {t['step'] - t['kill']:.1f} s after the kill (surviving "
-          f"engine); killed engine ready again (new process, v{killer.version_at_ready} installed) "
-          f"{t['ready'] - t['kill']:.1f} s after; {step} steps; requeued {requeued} prompts; groups received "
+    print(f"engine death (1 of 2, {transport}, killed: {target}): next step written {t['step'] - t['kill']:.1f} s after "
+          f"the kill (surviving engine); killed engine down {t.get('down', float('nan')) - t['kill']:.1f} s after, "
+          f"ready again (new incarnation, v{killer.version_at_ready} installed) {t['ready'] - t['kill']:.1f} s after "
+          f"the kill, {t['ready'] - t.get('down', t['kill']):.1f} s after down; {step} steps; requeued {requeued} "
+          f"prompts; groups received "
           f"after the kill by engine {by_engine}; ledger {summary}; rejected {job.rejected}")
 
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, step + 1))
@@ -445,10 +570,11 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
     # installed the current version on it, so none of its tokens may be older than the version at the kill.
     assert min(g[2] for g in after) >= killer.version_at_kill >= 1, (after, killer.version_at_kill)
     state = _status(handle)["engines"][victim]
-    assert state["up"] and state["pid"] != killer.old_pid and state["version"] == step
+    assert state["up"] and state.get("incarnation") != killer.old_incarnation and state["version"] == step
     assert summary["trained"] == step * run_recipe.grpo.num_prompts_per_step  # none trained twice (else LedgerError)
     assert summary["pending"] == 0, f"prompts neither trained nor dropped with a reason: {job.ledger.pending()}"
     assert set(summary["dropped_by_reason"]) <= {"stale", "too_few_valid_samples", "generation_failed"}
     if transport == "collective":  # at attach, then without the dead engine (if a push came first), then with it
         assert 2 <= job.refit.groups_formed <= 3, job.refit.groups_formed
     _generation_works(handle)
+    return killer, summary, state

@@ -6,7 +6,7 @@ pushes with vLLM's layerwise ``reload_weights`` (which does that); a plain
 ``model.load_weights`` writes [gate; up] and leaves the engine serving
 different weights than the learner's. This test installs the learner's
 weights both ways on one engine and checks that the job's parity check
-(:func:`services.job.check_parity`) passes the first and stops the second,
+(:func:`services.parity.check_parity`) passes the first and stops the second,
 and that the engine's direct-load guard (:mod:`rollout.direct_load`) refuses
 plain ``load_weights`` for this model and leaves the right weights installed.
 
@@ -52,7 +52,7 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
     from rollout.engine import RolloutEngine
     from rollout.rewards import get_reward_fn
     from rollout.tasks import make_prompts
-    from services.job import ParityError, check_parity, parity_stats
+    from services.parity import ParityError, check_parity, parity_stats
     from services.tiny_model import make_tiny_model
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test send the wrong loader to the worker

@@ -97,7 +97,8 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
                          "policy.generation.max_new_tokens=200", f"policy.generation.request_timeout_s={REQUEST_TIMEOUT_S}",
                          f"policy.generation.max_retries={MAX_RETRIES}",
                          f"rollout_pool.channel_send_timeout_s={REQUEST_TIMEOUT_S / 2}", "grpo.max_num_steps=1",
-                         "grpo.async_grpo.enabled=false")
+                         "grpo.async_grpo.enabled=false",
+                         "logger.parity_probe_sequences=0")  # the probe's scoring shares the 0.01 s request timeout
     with attached_job(recipe, tmp_path) as job:
         groups: list[TrajectoryGroup] = []
         receive = job._receive

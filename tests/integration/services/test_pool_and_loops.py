@@ -95,6 +95,23 @@ def test_async_lag1_run(pool, tmp_path):
     assert ages["0.0"] >= 4 and ages["1.0"] >= 16                         # 4 groups at age 0, 12 at age 1
 
 
+def test_async_run_generates_max_trajectory_age_steps_ahead(pool, tmp_path):
+    """A = 2: prompts of step k+2 are scheduled when step k starts (engines on v(k-1)), so once the pipeline is
+    full every trained group is exactly 2 versions old, and none is older."""
+    from services.app import run_learner
+
+    recipe, _ = pool
+    run_learner(tiny_recipe("grpo.max_num_steps=5", "grpo.async_grpo.max_trajectory_age_steps=2"),
+                recipe.rollout_pool.name, tmp_path, resume=False)
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["policy_version"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["trajectory_age_mean"] for r in got] == [0.0, 1.0, 2.0, 2.0, 2.0]  # warm-up (steps 1-2), then A
+    assert all(r["trajectory_age_max"] <= 2 for r in got)                 # never older than the bound
+    assert all(r.get("dropped_stale", 0) == 0 for r in got)
+    assert all(r["gen_kl_error"] < 1.5e-3 for r in got)
+
+
 def test_sync_run_is_on_policy(pool, tmp_path):
     from services.app import run_learner
 
@@ -222,3 +239,105 @@ def test_killed_and_resumed_sync_run_ends_with_the_weights_of_an_uninterrupted_o
     print(f"\nkilled after {resumed_from}, resumed: final weights {'bit-identical' if identical else 'differ'} "
           f"to the uninterrupted run (max |diff| {worst:.3g} over {len(diffs)} tensors)")
     assert worst <= 1e-6, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+
+
+class PoisonedSteps:
+    """The job's learner, except that in the ``train_step`` calls numbered in ``calls`` (1-based) the first group's
+    rewards overflow its advantage: 1.7e308 is finite, so the protocol takes it, but the group's mean is not, so
+    the loss is non-finite and the learner skips the step, as it does for any non-finite loss or gradient."""
+
+    def __init__(self, learner, calls: set[int]):
+        self.learner, self.calls, self.train_calls = learner, calls, 0
+
+    def call(self, method: str, *args):
+        if method == "train_step":
+            self.train_calls += 1
+            if self.train_calls in self.calls:
+                args = (self._poisoned(args[0]),)
+        return self.learner.call(method, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.learner, name)
+
+    @staticmethod
+    def _poisoned(refs: list) -> list:
+        import ray
+
+        from protocol import TrajectoryGroup, decode, encode
+
+        group = decode(ray.get(refs[0]), expect=TrajectoryGroup)
+        for i, t in enumerate(group.valid):  # distinct (all-equal rewards give zero advantage), sum overflows
+            t.reward = 1.7e308 - i * 1e307
+        return [ray.put(encode(group)), *refs[1:]]
+
+
+def _run_poisoned(recipe, run_dir: Path, calls: set[int]):
+    """Run the recipe's loop against the module's pool with :class:`PoisonedSteps`; returns (job, error raised)."""
+    from services import pool as pool_api
+    from services.job import LearnerJob
+    from services.learner_actor import LearnerGroup
+    from services.loop_async import run_async
+    from services.loop_sync import run_sync
+    from services.model_source import resolve_model
+
+    model_path = resolve_model(recipe.policy.model_name)
+    learner = LearnerGroup(recipe, model_path)
+    job = LearnerJob(recipe, model_path, pool_api.connect(recipe.rollout_pool.name), PoisonedSteps(learner, calls),
+                     run_dir, resume=False)
+    try:
+        if recipe.grpo.async_grpo.enabled:
+            run_async(job)
+        else:
+            run_sync(job, colocated=False)
+        return job, None
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return job, exc
+    finally:
+        job.close()
+        learner.shutdown()
+
+
+def _skipped_steps_counter(url: str) -> float:
+    return sum(s.value for s in scrape(url).get("inflight_learner_skipped_steps", []) if s.name.endswith("_total"))
+
+
+def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
+    """A skipped step (non-finite loss) is counted, pushes nothing (the engines keep v1: a push of the same
+    version used to be refused three times and kill the run), drops its prompts as ``step_skipped``; the
+    prompts prefetched for the next step are trained."""
+    recipe, url = pool
+    before = _skipped_steps_counter(url)
+    job, error = _run_poisoned(tiny_recipe("grpo.max_num_steps=4"), tmp_path, calls={2})
+    assert error is None, f"{type(error).__name__}: {error}"
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in got] == [1, 1, 2, 3]
+    assert [r["step_skipped"] for r in got] == [0, 1, 0, 0]
+    assert got[1]["skip_reason"] == "non-finite loss" and "skip_reason" not in got[2]
+    assert got[1]["refit_bytes"] == 0 and all(r["refit_bytes"] > 0 for r in got[2:])
+    assert all(r["gen_kl_error"] < 1.5e-3 for r in got)  # the probe after the skip compares v1 with v1
+    assert _skipped_steps_counter(url) == before + 1
+    assert httpx.get(f"{url}/v1/status", timeout=10).json()["version"] == 3
+    summary = job.ledger.summary()
+    assert summary["dropped_by_reason"].get("step_skipped") == recipe.grpo.num_prompts_per_step
+    assert summary["trained"] == 3 * recipe.grpo.num_prompts_per_step
+
+
+def test_sync_run_stops_after_max_consecutive_skipped_steps_with_the_reason(pool, tmp_path):
+    """Skips at steps 2, 4 and 5 with ``grpo.max_consecutive_skipped_steps=2``: step 3 trains and resets the
+    count, steps 4-5 are two in a row and stop the job, naming the learner's reason."""
+    from services.skips import SkippedStepsError
+
+    recipe, url = pool
+    before = _skipped_steps_counter(url)
+    _, error = _run_poisoned(tiny_recipe("grpo.max_num_steps=6", "grpo.async_grpo.enabled=false",
+                                         "grpo.max_consecutive_skipped_steps=2"), tmp_path, calls={2, 4, 5})
+    assert isinstance(error, SkippedStepsError), f"{type(error).__name__}: {error}"
+    assert "2 steps in a row skipped (steps 4..5" in str(error) and "last reason: non-finite loss" in str(error)
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]  # the rows of the skipped steps are written first
+    assert [r["policy_version"] for r in got] == [1, 1, 2, 2, 2]
+    deadline = time.monotonic() + 30
+    while _skipped_steps_counter(url) < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.5)  # report_step is not awaited
+    assert _skipped_steps_counter(url) == before + 3

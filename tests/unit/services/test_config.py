@@ -129,3 +129,37 @@ def test_one_host_scale_downs_of_the_seed():
     s = load_recipe(RECIPES_DIR / "grpo-8gpu-sync-colocated.yaml")
     assert s.learner_gpus == 8 and s.policy.generation.colocated.enabled and not s.grpo.async_grpo.enabled
     assert load_recipe(RECIPES_DIR / "grpo-4gpu-async-2x2.yaml").learner_gpus == 2
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("policy.train_micro_batch_size=2", "policy.sequence_packing.train_mb_tokens"),
+    ("rollout_pool.gpus_per_engine=2", "tensor_parallel_size x pipeline_parallel_size"),
+])
+def test_removed_keys_are_errors_that_say_what_to_write_instead(override, instead):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [override])
+    assert err.value.path == override.split("=")[0] and "removed key" in str(err.value) and instead in str(err.value)
+
+
+def test_gpus_per_engine_is_tensor_x_pipeline_parallel():
+    r = load_recipe(RECIPES_DIR / "grpo-32gpu-async-1off.yaml", ["policy.generation.vllm_cfg.pipeline_parallel_size=2",
+                                                                 "rollout_pool.num_engines=4"])
+    assert r.gpus_per_engine == 4 and r.learner_gpus == 16
+
+
+def test_lr_decay_steps_defaults_to_max_num_steps_and_must_outlast_the_warm_up():
+    decay = "policy.megatron_cfg.optimizer.lr_decay_style=cosine"
+    assert load_recipe(None, ["grpo.max_num_steps=7", decay]).policy.megatron_cfg.optimizer.lr_decay_steps == 7
+    set_ = load_recipe(None, ["grpo.max_num_steps=7", decay, "policy.megatron_cfg.optimizer.lr_decay_steps=30"])
+    assert set_.policy.megatron_cfg.optimizer.lr_decay_steps == 30
+    with pytest.raises(RecipeError, match=r"lr_warmup_steps \(7\) must be < lr_decay_steps \(7; default grpo"):
+        load_recipe(None, ["grpo.max_num_steps=7", decay, "policy.megatron_cfg.optimizer.lr_warmup_steps=7"])
+    load_recipe(None, ["grpo.max_num_steps=7", "policy.megatron_cfg.optimizer.lr_warmup_steps=9"])  # constant: fine
+
+
+def test_the_channel_holds_the_groups_generated_ahead():
+    ahead = ["grpo.num_prompts_per_step=8", "grpo.async_grpo.max_trajectory_age_steps=3"]
+    assert load_recipe(None, ahead + ["rollout_pool.max_inflight_groups=24"])
+    with pytest.raises(RecipeError, match=r"max_inflight_groups \(23\) must be >= .* \(24\)"):
+        load_recipe(None, ahead + ["rollout_pool.max_inflight_groups=23"])
+    load_recipe(None, ahead + ["rollout_pool.max_inflight_groups=8", "grpo.async_grpo.enabled=false"])

@@ -32,7 +32,7 @@ class FakeEngine:
         self.health_calls += 1
         if self.slow:
             await asyncio.sleep(3600)
-        return {"ok": self.ok, "version": self.version, "pid": 1}
+        return {"ok": self.ok, "version": self.version, "pid": 1, "incarnation": f"1.{self.starts}"}
 
     async def _start(self):
         self.starts += 1
@@ -142,7 +142,7 @@ def test_a_collective_push_landing_while_the_watcher_waits_for_the_refit_lock_le
         pool._refit_lock.release()
         await check
         assert applied == []                                   # nothing stale installed
-        assert pool.engine_state["e0"] == {"up": True, "version": 4, "error": None, "pid": 1}
+        assert pool.engine_state["e0"] == {"up": True, "version": 4, "error": None, "pid": 1, "incarnation": "1.0"}
 
     asyncio.run(scenario())
 
@@ -185,5 +185,64 @@ def test_the_learner_is_detached_after_three_late_channel_checks_in_a_row_or_at_
         behaviour["mode"] = "dead"
         await pool._check_learner()
         assert pool.channel is None                              # a dead actor is gone at once
+
+    asyncio.run(scenario())
+
+
+class FakeInstaller:
+    """``apply_weights`` like an EngineActor handle: installs a version once, rejects it as not newer after that
+    (like rollout.weight_receiver), and fails its first ``fail_first`` calls."""
+
+    def __init__(self, fail_first: int = 0):
+        self.version, self.calls, self.fail_first = 0, 0, fail_first
+        self.apply_weights = _Method(self._apply)
+
+    async def _apply(self, manifest_bytes, refs, reset):
+        from protocol import WeightManifest, decode
+        from rollout.weight_receiver import WeightUpdateError
+
+        self.calls += 1
+        v = decode(manifest_bytes, expect=WeightManifest).version
+        if self.calls <= self.fail_first:
+            raise WeightUpdateError(f"weight push v{v} rejected: bucket 0 checksum mismatch")
+        if v <= self.version and not reset:
+            raise WeightUpdateError(f"weight push rejected: manifest.version {v} must be greater than the version "
+                                    f"being served ({self.version})")
+        self.version = v
+        return v
+
+
+def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engines_that_installed_it(monkeypatch):
+    """A push that one engine rejected is retried by the learner; the engines that installed it the first time
+    keep it instead of rejecting the retry as not newer (the retry used to fail on every attempt)."""
+    import numpy as np
+    import ray
+
+    from protocol import encode
+    from protocol.weights import pack_buckets
+    from services.config import load_recipe
+
+    monkeypatch.setattr(ray, "put", lambda data: data)
+    manifest, buckets = pack_buckets([("w", "float32", (2,), np.zeros(8, np.uint8))], version=1,
+                                    bucket_bytes=1024)
+
+    async def scenario():
+        good, flaky = FakeInstaller(), FakeInstaller(fail_first=1)
+        pool = _pool({"e0": good, "e1": flaky})
+        pool.recipe, pool._refit_lock, pool._errors = load_recipe(None, []), asyncio.Lock(), []
+        for s in pool.engine_state.values():
+            s["version"] = 0
+
+        def refs():
+            async def bucket(b):
+                return encode(b)
+            return [bucket(b) for b in buckets]
+
+        with pytest.raises(pool_module.RefitError, match="rejected"):
+            await pool.update_weights(encode(manifest), refs())
+        assert pool.version == 0 and good.version == 1 and flaky.version == 0
+        out = await pool.update_weights(encode(manifest), refs())
+        assert out["version"] == pool.version == 1 and flaky.version == 1
+        assert good.calls == 1                       # kept what it had installed; not asked again
 
     asyncio.run(scenario())
