@@ -27,9 +27,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class ParallelLayout:
     ep_size: int
 
     @classmethod
-    def current(cls) -> "ParallelLayout":
+    def current(cls) -> ParallelLayout:
         from megatron.core import parallel_state as ps
         return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                    ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())

@@ -1,4 +1,4 @@
-"""Sequence packing: first-fit-decreasing into token-budgeted micro-batches.
+r"""Sequence packing: first-fit-decreasing into token-budgeted micro-batches.
 
 Sequences (prompt + response token ids) are sorted longest first and each is
 put into the first micro-batch that still has room for it under
@@ -59,7 +59,7 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
                           self.attention_mask.to(device), self.segments)
 

@@ -6,8 +6,15 @@ back by :func:`decode`. Decoding validates every field and raises a single
 error type, :class:`ProtocolError`, whose message names the field path and
 what was expected versus what arrived.
 """
+from protocol.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    SCHEMA_VERSION,
+    decode,
+    encode,
+)
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    FINISH_REASONS,
     ControlMessage,
     Message,
     PromptRequest,
@@ -16,13 +23,6 @@ from protocol.messages import (
     TrajectoryGroup,
     WeightBucket,
     WeightManifest,
-    FINISH_REASONS,
-)
-from protocol.codec import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    SCHEMA_VERSION,
-    decode,
-    encode,
 )
 from protocol.weights import checksum_of, pack_buckets, unpack_buckets
 

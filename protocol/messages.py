@@ -68,7 +68,7 @@ class Trajectory:
                 "finish_reason": self.finish_reason, "error": self.error}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str, vocab_size: int) -> "Trajectory":
+    def from_wire(cls, d: dict, path: str, vocab_size: int) -> Trajectory:
         d = F.as_dict(d, path)
         ids = F.as_array(F.req(d, "response_ids", path), f"{path}.response_ids", "int32")
         if ids.shape[0] > MAX_TOKENS:
@@ -140,7 +140,7 @@ class TrajectoryGroup:
                 "created_at": self.created_at}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> "TrajectoryGroup":
+    def from_wire(cls, d: dict, path: str = "") -> TrajectoryGroup:
         group_id = F.as_str(F.req(d, "group_id", path), F._join(path, "group_id"), allow_empty=False)
         prompt_id = F.as_str(F.req(d, "prompt_id", path), F._join(path, "prompt_id"), allow_empty=False)
         vocab = F.as_int(F.req(d, "vocab_size", path), F._join(path, "vocab_size"), 1, 1 << 24)
@@ -179,7 +179,7 @@ class PromptRequest:
                 "task": dict(self.task), "scheduled_step": self.scheduled_step}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> "PromptRequest":
+    def from_wire(cls, d: dict, path: str = "") -> PromptRequest:
         pid = F.as_str(F.req(d, "prompt_id", path), F._join(path, "prompt_id"), allow_empty=False)
         ids = F.as_array(F.req(d, "prompt_ids", path), F._join(path, "prompt_ids"), "int32")
         F.check_non_negative(ids, F._join(path, "prompt_ids"))
@@ -211,7 +211,7 @@ class TensorSpec:
                 "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str) -> "TensorSpec":
+    def from_wire(cls, d: dict, path: str) -> TensorSpec:
         d = F.as_dict(d, path)
         name = F.as_str(F.req(d, "name", path), f"{path}.name", allow_empty=False)
         dtype = F.as_str(F.req(d, "dtype", path), f"{path}.dtype")
@@ -254,7 +254,7 @@ class WeightManifest:
                 "total_bytes": self.total_bytes, "checksum": self.checksum}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> "WeightManifest":
+    def from_wire(cls, d: dict, path: str = "") -> WeightManifest:
         version = F.as_int(F.req(d, "version", path), F._join(path, "version"), 0)
         tpath = F._join(path, "tensors")
         tensors = [TensorSpec.from_wire(t, f"{tpath}[{i}]")
@@ -294,7 +294,7 @@ class WeightBucket:
         return {"version": self.version, "index": self.index, "data": self.data, "checksum": self.checksum}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> "WeightBucket":
+    def from_wire(cls, d: dict, path: str = "") -> WeightBucket:
         version = F.as_int(F.req(d, "version", path), F._join(path, "version"), 0)
         index = F.as_int(F.req(d, "index", path), F._join(path, "index"), 0)
         data = F.as_array(F.req(d, "data", path), F._join(path, "data"), "uint8")
@@ -318,7 +318,7 @@ class ControlMessage:
         return {"action": self.action, "payload": dict(self.payload), "sent_at": self.sent_at}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> "ControlMessage":
+    def from_wire(cls, d: dict, path: str = "") -> ControlMessage:
         action = F.as_str(F.req(d, "action", path), F._join(path, "action"))
         if action not in CONTROL_ACTIONS:
             raise ProtocolError(F._join(path, "action"), f"one of {CONTROL_ACTIONS}", action)

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,7 @@ rejected whole.
 from __future__ import annotations
 
 import zlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 

@@ -54,8 +54,8 @@ shapes differ from the plan's is installed with ``load_weights``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -106,7 +106,7 @@ class Fingerprint:
 
     entries: dict[str, tuple[tuple[int, ...], str, int]]
 
-    def differences(self, other: "Fingerprint") -> list[str]:
+    def differences(self, other: Fingerprint) -> list[str]:
         names = sorted(set(self.entries) | set(other.entries))
         return [n for n in names if self.entries.get(n) != other.entries.get(n)]
 
@@ -162,7 +162,7 @@ class CopyPlan:
 
     @classmethod
     def discover(cls, model: torch.nn.Module, pushed: list[tuple[str, torch.Tensor]],
-                 ignore: Iterable[torch.Tensor] = ()) -> "CopyPlan":
+                 ignore: Iterable[torch.Tensor] = ()) -> CopyPlan:
         """Load markers shaped like ``pushed`` with ``model.load_weights`` and record where each landed
         (in every model tensor but ``ignore``). Leaves markers in the model: the caller installs real
         weights afterwards."""

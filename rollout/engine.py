@@ -65,21 +65,27 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup, WeightBucket, WeightManifest, decode
 from rollout.config import GenerationConfig
-from rollout.liveness import EngineDead, EngineProcesses, dead_reason
 from rollout.kv_stats import KvCounters, build_async_llm
+from rollout.liveness import EngineDead, EngineProcesses, dead_reason
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
 from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
-from rollout.weight_receiver import (ExpectedParams, WeightUpdateError, remove_staged, stage_push, verify_manifest,
-                                     verify_push)
+from rollout.weight_receiver import (
+    ExpectedParams,
+    WeightUpdateError,
+    remove_staged,
+    stage_push,
+    verify_manifest,
+    verify_push,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +307,7 @@ class RolloutEngine:
         seconds = self.weight_update_timeout_s if seconds is None else seconds
         try:
             return await asyncio.wait_for(awaitable, seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineError(f"rollout engine {self.engine_id}: {what} did not finish within {seconds:g}s") from None
 
     def _require_started(self):

@@ -80,7 +80,7 @@ class EngineProcesses:
         return set(_children())
 
     @classmethod
-    def started_since(cls, before: set[int]) -> "EngineProcesses":
+    def started_since(cls, before: set[int]) -> EngineProcesses:
         """The children started since ``before`` and the segments they map."""
         procs = {pid: p for pid, p in _children().items() if pid not in before}
         return cls(procs, set().union(*(_shm_mapped_by(pid) for pid in procs)))

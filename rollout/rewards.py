@@ -33,9 +33,10 @@ import asyncio
 import inspect
 import math
 import re
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence, Union
+from typing import Union
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RewardFailure:
 
 
 RewardResult = Union[float, RewardFailure]
-RewardFn = Callable[[list[RewardInput]], Union[list[RewardResult], Awaitable[list[RewardResult]]]]
+RewardFn = Callable[[list[RewardInput]], list[RewardResult] | Awaitable[list[RewardResult]]]
 """Scores a batch of samples; plain or ``async``; one result per sample."""
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -213,7 +214,7 @@ async def score_group(reward_fn: RewardFn, batch: list[RewardInput], timeout_s: 
         else:
             call = loop.run_in_executor(executor, reward_fn, batch)
         results = await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return [RewardFailure(f"reward function timed out after {timeout_s:g}s")] * len(batch)
     except Exception as exc:  # noqa: BLE001 -- any reward error fails the samples, with its text
         return [RewardFailure(f"reward function raised {type(exc).__name__}: {exc}")] * len(batch)

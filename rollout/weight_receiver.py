@@ -64,7 +64,7 @@ class ExpectedParams:
         self.params = params
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | os.PathLike) -> "ExpectedParams":
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> ExpectedParams:
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir}")

@@ -16,7 +16,7 @@ reasons (``stale``) are replaced at once.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 FAILURE_REASONS = frozenset({"generation_failed", "too_few_valid_samples", "undelivered"})
 """Drop reasons that mean the pool failed the prompt (these replacements back off)."""

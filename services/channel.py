@@ -55,7 +55,7 @@ class _QueueActor:
         if self.queue.full():  # (asyncio.wait_for with timeout 0 would not even try)
             try:
                 await asyncio.wait_for(self.queue.put(item), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
         else:
             self.queue.put_nowait(item)
@@ -66,7 +66,7 @@ class _QueueActor:
         if self.queue.empty():
             try:
                 return [await asyncio.wait_for(self.queue.get(), timeout_s)]
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return []
         return [self.queue.get_nowait()]
 
@@ -96,7 +96,7 @@ class TrajectoryChannel:
     maxsize: int
 
     @classmethod
-    def create(cls, name: str, maxsize: int) -> "TrajectoryChannel":
+    def create(cls, name: str, maxsize: int) -> TrajectoryChannel:
         """Start the queue actor (no CPU reserved); it lives as long as the calling job or until ``close``."""
         if maxsize < 1:
             raise ValueError(f"channel {name!r}: maxsize must be >= 1, got {maxsize}")
@@ -122,7 +122,7 @@ class TrajectoryChannel:
 
         try:
             accepted = await asyncio.wait_for(self.actor.put.remote(data, timeout_s), timeout_s + RPC_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self._unresponsive(timeout_s) from None
         except ray.exceptions.RayActorError as exc:
             raise self._closed(exc) from None

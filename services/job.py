@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol import ControlMessage, ProtocolError, PromptRequest, TrajectoryGroup, decode, encode
+from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
 from services.backoff import ReplacementBackoff
 from services.buffer import TrajectoryBuffer
 from services.channel import ChannelTimeout, TrajectoryChannel
@@ -56,8 +56,9 @@ class StepTimeout(TimeoutError):
 
 class LearnerJob:
     def __init__(self, recipe, model_path: str, pool, learner, run_dir: str | Path, resume: bool = True):
-        from rollout.tasks import make_prompts
         from transformers import AutoTokenizer
+
+        from rollout.tasks import make_prompts
 
         self.recipe, self.pool, self.learner = recipe, pool, learner
         self.run_dir = Path(run_dir)

@@ -57,5 +57,5 @@ class PromptLedger:
         return {"scheduled": self.scheduled, "trained": self.trained, "dropped": self.dropped}
 
     @classmethod
-    def from_state(cls, state: dict) -> "PromptLedger":
+    def from_state(cls, state: dict) -> PromptLedger:
         return cls(dict(state["scheduled"]), dict(state["trained"]), dict(state["dropped"]))

@@ -19,7 +19,7 @@ Metrics (the step's row): ``gen_kl_error`` (the worst engine), ``parity_max_abs_
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -256,7 +256,7 @@ class RolloutPool:
         (the last such timeout is raised)."""
         try:
             h = await asyncio.wait_for(self.engines[eid].health.remote(), HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._tolerate_late(eid, f"engine {eid}"):
                 return None
             raise
@@ -282,7 +282,7 @@ class RolloutPool:
         try:
             await asyncio.wait_for(self.channel.actor.size.remote(), HEALTH_TIMEOUT_S)
             self._late_checks[LEARNER_CHECK] = 0
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not self._tolerate_late(LEARNER_CHECK, "the learner's channel"):
                 self._detach_gone_learner()
         except ray.exceptions.RayActorError:

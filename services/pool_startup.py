@@ -68,7 +68,7 @@ async def _boot_one(eid: str, engine, timeout_s: float) -> dict:
     try:
         await asyncio.wait_for(engine.health.remote(), timeout_s)
         return await asyncio.wait_for(engine.start.remote(), timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         raise PoolStartError(f"engine {eid} did not start within {timeout_s:g} s") from None
     except Exception as exc:  # noqa: BLE001 - named and re-raised
         raise PoolStartError(f"engine {eid} did not start: {reason(exc)}") from exc
