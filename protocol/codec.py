@@ -1,45 +1,34 @@
 """Framed msgpack codec for protocol messages, with out-of-band numpy arrays.
 
-One encoded message (a *frame*) is::
-
-    offset        size  content
-    0             4     magic b"INFL"
-    4             4     header length H, unsigned little-endian
-    8             H     msgpack map {"schema": SCHEMA_VERSION, "kind": K, ...fields}
-    8+H           pad   zero bytes up to the next multiple of 64 (only if there are arrays)
-    D             ...   the arrays' raw little-endian bytes, in the order the header
-                        refers to them, each at a 64-byte-aligned offset from D,
-                        zero bytes between them, nothing after the last one
-
-Inside the header a numpy array is msgpack extension type 1 whose payload is
-the msgpack list ``[dtype, shape, offset]`` (``offset`` relative to D). On
-decode each array is ``np.frombuffer`` over the *input buffer itself*:
-no byte of array data is copied, arrays are read-only, and they keep the
-input buffer alive. (msgpack hands an extension's payload to ``ext_hook`` as a
-fresh ``bytes`` copy, which is why the bulk data is kept outside msgpack:
-inline, a 64 MiB weight bucket decoded at ~2 GB/s; out of band the cost no
-longer depends on the array size.)
-
-The layout is canonical: a frame is accepted only if the arrays sit exactly
-where :func:`encode` would have put them, so ``encode(decode(b)) == b`` for
-every accepted ``b``.
-
-Decoding never raises anything but :class:`ProtocolError`: oversize input,
-a broken frame, broken msgpack, unknown kinds, unsupported schema versions,
-wrong types and invalid values are all reported with the field path (array
-framing errors name the array by its position: ``<frame>.arrays[2]``).
+A frame is a magic, a msgpack header (``schema``, ``kind`` and the fields;
+each ndarray is an extension reference ``[dtype, shape, offset]``) and the
+arrays' raw bytes, 64-byte aligned, after it. Decoding views the arrays in the
+input buffer (no copy, read-only), accepts only the canonical layout
+(``encode(decode(b)) == b``) and raises nothing but :class:`ProtocolError`,
+with the field path. docs/protocol.md ("Wire layout", "Validation and limits")
+has the layout and the rules.
 """
 from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, TypeVar, cast, overload
 
 import msgpack
 import numpy as np
 
 from protocol.errors import ProtocolError
-from protocol.messages import MESSAGE_TYPES, Message
+from protocol.messages import (
+    MESSAGE_TYPES,
+    ControlMessage,
+    Message,
+    PromptRequest,
+    TrajectoryGroup,
+    WeightBucket,
+    WeightManifest,
+)
+
+M = TypeVar("M", TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage)
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
@@ -73,7 +62,7 @@ class _ArrayCollector:
                 raise TypeError(f"ndarray dtype {obj.dtype} is not in {sorted(ARRAY_DTYPES)}")
             arr = np.ascontiguousarray(obj, dtype=dt)
             offset = _align(self.cursor)
-            self.buffers.append(memoryview(arr).cast("B") if arr.size else memoryview(b""))
+            self.buffers.append(arr.data.cast("B") if arr.size else memoryview(b""))
             self.cursor = offset + arr.nbytes
             ref = msgpack.packb([dt.name, list(arr.shape), offset])
             return msgpack.ExtType(EXT_NDARRAY, ref)
@@ -86,7 +75,7 @@ def pack_frame(body: dict) -> bytes:
     """Frame a plain map (arrays allowed as values). :func:`encode` uses this;
     tests and tools use it to build frames with arbitrary, even invalid, content."""
     arrays = _ArrayCollector()
-    header = msgpack.packb(body, default=arrays, use_bin_type=True)
+    header = cast(bytes, msgpack.packb(body, default=arrays, use_bin_type=True))  # the stub allows None
     parts: list[Any] = [_PREFIX.pack(MAGIC, len(header)), header]
     if arrays.buffers:
         pos = _align(_PREFIX.size + len(header))
@@ -198,6 +187,10 @@ def unpack_frame(data: bytes | bytearray | memoryview,
     return obj
 
 
+@overload
+def decode(data: bytes | bytearray | memoryview, expect: type[M], max_bytes: int = ...) -> M: ...
+@overload
+def decode(data: bytes | bytearray | memoryview, expect: None = None, max_bytes: int = ...) -> Message: ...
 def decode(data: bytes | bytearray | memoryview, expect: type | None = None,
            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Decode and validate one message; ``expect`` restricts the kind.
@@ -222,4 +215,4 @@ def decode(data: bytes | bytearray | memoryview, expect: type | None = None,
     except ProtocolError:
         raise
     except Exception as exc:  # noqa: BLE001 - a validator bug must still not escape as another type
-        raise ProtocolError(kind, "a well-formed message", f"{type(exc).__name__}: {exc}") from None
+        raise ProtocolError(str(kind), "a well-formed message", f"{type(exc).__name__}: {exc}") from None

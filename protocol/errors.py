@@ -1,4 +1,10 @@
-"""The one error type that decoding and validation raise."""
+"""The one error type that decoding and validation raise.
+
+:class:`ProtocolError` names the field path of the offending value (e.g.
+``trajectories[3].logprobs[17]``), what was expected and what arrived; the
+value is shown through a bounded repr, so a hostile message cannot make
+building the error message recurse or copy its payload.
+"""
 
 import reprlib
 

@@ -1,5 +1,10 @@
 """Field readers used when decoding: each checks one value and raises a
-:class:`ProtocolError` naming the field path on anything unexpected."""
+:class:`ProtocolError` naming the field path on anything unexpected.
+
+``req`` fetches a required key, ``as_str`` / ``as_int`` / ``as_float`` /
+``as_list`` / ``as_dict`` / ``as_array`` check a value's type and bounds, and
+the ``check_*`` helpers check token ids, log-probs and non-negative arrays.
+"""
 from __future__ import annotations
 
 import math
@@ -68,10 +73,6 @@ def as_float(v: Any, path: str, finite: bool = True, hi: float | None = None) ->
     if hi is not None and v > hi:
         raise ProtocolError(path, f"a number <= {hi}", v)
     return v
-
-
-def as_opt_float(v: Any, path: str) -> float | None:
-    return None if v is None else as_float(v, path)
 
 
 def as_array(v: Any, path: str, dtype: str, length: int | None = None, ndim: int = 1) -> np.ndarray:

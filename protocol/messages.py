@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -126,10 +126,6 @@ class TrajectoryGroup:
     @property
     def valid(self) -> list[Trajectory]:
         return [t for t in self.trajectories if t.ok]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(int(t.response_ids.size) + int(self.prompt_ids.size) for t in self.trajectories)
 
     def to_wire(self) -> dict:
         return {"group_id": self.group_id, "prompt_id": self.prompt_id,
@@ -288,7 +284,8 @@ class WeightBucket:
 
     def __post_init__(self):
         if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8:
-            self.data = np.frombuffer(memoryview(self.data).cast("B"), dtype=np.uint8)
+            view = memoryview(self.data)  # pyright: ignore[reportArgumentType] -- bytes here, not an ndarray
+            self.data = np.frombuffer(view.cast("B"), dtype=np.uint8)
 
     def to_wire(self) -> dict:
         return {"version": self.version, "index": self.index, "data": self.data, "checksum": self.checksum}
@@ -302,15 +299,17 @@ class WeightBucket:
         return cls(version, index, data, checksum)
 
 
-CONTROL_ACTIONS = ("attach", "detach", "pause", "resume", "drain", "shutdown", "ack", "error")
+CONTROL_ACTIONS = ("error",)
+"""The actions anything sends: ``error`` (an engine reports a prompt it could not turn into a group)."""
 
 
 @dataclass
 class ControlMessage:
-    """A small command or reply between the learner, the pool and admins."""
+    """A small out-of-band note on the trajectory channel, e.g. ``error``: prompt ``payload["prompt_id"]``
+    failed for ``payload["reason"]``."""
 
     KIND: ClassVar[str] = "control"
-    action: Literal["attach", "detach", "pause", "resume", "drain", "shutdown", "ack", "error"]
+    action: Literal["error"]
     payload: dict = field(default_factory=dict)
     sent_at: float = 0.0
 
@@ -332,6 +331,6 @@ class ControlMessage:
         return cls(action, payload, sent_at)
 
 
-Message = Union[TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage]
+Message = TrajectoryGroup | PromptRequest | WeightManifest | WeightBucket | ControlMessage
 MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in
                                   (TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage)}

@@ -1,41 +1,13 @@
-"""Weight refit from a learner's GPU to rollout engines' GPUs over one NCCL group.
+"""Weight pushes from a learner's GPU to rollout engines' GPUs over one NCCL group (gloo on CPU).
 
-**Group.** Rank 0 is the learner (the sender); ranks 1..N-1 are engine
-workers. Each side builds a :class:`WeightTransferGroup` at attach time: a
-``TCPStore`` on rank 0 (the control channel) and a process group of its own
-(``ProcessGroupNCCL`` on GPU, ``ProcessGroupGloo`` on CPU for tests), made
-directly from the store so it never touches ``torch.distributed``'s default
-group (which Megatron or vLLM may own). A one-element broadcast at the end of
-the constructor opens the communicator, so the first push pays no setup.
-
-**Push.** :meth:`WeightTransferGroup.send` lays the tensors end to end into
-buckets of at most ``bucket_bytes`` (:func:`plan_buckets`; every offset
-aligned to :data:`ALIGN` bytes so a tensor can be viewed in its dtype in
-place, and a tensor larger than a bucket gets one of its own) and publishes
-that layout in the store. It then copies each bucket into a staging buffer on
-its GPU and broadcasts it. With ``double_buffer`` two staging buffers
-alternate, so the copy of bucket i+1 (on the current stream) overlaps the
-broadcast of bucket i (on NCCL's stream); without it each copy waits for the
-previous broadcast. :meth:`WeightTransferGroup.recv` reads the layout,
-receives each bucket into a buffer of its own on the receiver's GPU and
-returns them; :func:`named_views` gives ``(name, tensor)`` views of them for
-vLLM's ``reload_weights(weights_iterator=...)``.
-
-**Integrity.** The protocol's CRC32 would need every byte copied to the host
-and ~1 s of CPU per GB, longer than the transfer. Instead both sides compute
-:func:`device_checksum` on the GPU: over the bucket as 32-bit words laid out
-in rows of ``ALIGN`` bytes, the row sums weighted by row number plus the
-column sums weighted by column number, in wrapping int64. It catches lost,
-truncated, reordered and corrupted data (not an adversary); it costs two
-reads of each bucket per side, which run at memory bandwidth. The sender
-broadcasts its sums after the last bucket; the receiver compares them with
-its own in one host sync and raises :class:`WeightTransferError` naming the
-bad buckets. Both sides return the same :class:`~protocol.WeightManifest`,
-whose ``bucket_checksums`` are those sums (``wsum64:<hex>``).
-
-**Waits.** Store reads and the group's collectives are bounded by
-``timeout_s``; a peer that stops answering makes the collective fail (NCCL's
-watchdog aborts the communicator) rather than hang.
+Rank 0 is the learner (the sender), ranks 1..N-1 are engine workers; each side
+builds a :class:`WeightTransferGroup` from a ``TCPStore`` on rank 0 and a
+process group of its own (never ``torch.distributed``'s default group).
+:meth:`WeightTransferGroup.send` packs the tensors into aligned buckets
+(:func:`plan_buckets`), publishes the layout in the store and broadcasts each
+bucket (double-buffered); :meth:`WeightTransferGroup.recv` receives them and
+compares :func:`device_checksum` sums computed on the device. Every wait is
+bounded by ``timeout_s``. docs/protocol.md ("Weight transfer group") has the details.
 """
 from __future__ import annotations
 
@@ -43,9 +15,11 @@ import json
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage] -- public API
 
 from protocol.messages import TensorSpec, WeightManifest, dtype_itemsize
 from protocol.weights import _manifest_checksum
@@ -139,12 +113,12 @@ class WeightTransferGroup:
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+            self._store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
                                         wait_for_workers=True)
         except (RuntimeError, dist.DistStoreError) as exc:
             raise WeightTransferError(f"weight transfer rank {rank}: could not reach the group's store at "
                                       f"{host}:{port} within {timeout_s:g}s: {exc}") from exc
-        pg_store = dist.PrefixStore("pg", self._store)
+        pg_store = PrefixStore("pg", self._store)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
@@ -156,10 +130,11 @@ class WeightTransferGroup:
         self._staging: list[torch.Tensor] = []
         self._broadcast(torch.zeros(1, device=self.device)).wait()
 
-    def _broadcast(self, tensor: torch.Tensor):
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        return self._pg.broadcast([tensor], opts)
+        pg: Any = self._pg  # Backend.broadcast exists at runtime; torch's stub declares it on ProcessGroup only
+        return pg.broadcast([tensor], opts)
 
     def _staging_buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
         if len(self._staging) < count or self._staging[0].numel() < nbytes:
@@ -182,15 +157,15 @@ class WeightTransferGroup:
             self._store.delete_key(f"push/{self._pushes - 1}")  # every receiver took it: that push completed
         self._pushes += 1
         by_bucket: list[list[tuple[TensorSpec, torch.Tensor]]] = [[] for _ in sizes]
-        for spec, (_, t) in zip(specs, tensors):
+        for spec, (_, t) in zip(specs, tensors, strict=True):
             by_bucket[spec.bucket].append((spec, t))
         staging = self._staging_buffers(max(sizes, default=0), 2 if double_buffer else 1)
         sums = torch.empty(len(sizes), dtype=torch.int64, device=self.device)
-        works = [None] * len(staging)
+        works: list[dist.Work | None] = [None] * len(staging)
         for b, size in enumerate(sizes):
             slot = b % len(staging)
-            if works[slot] is not None:
-                works[slot].wait()  # the buffer's previous broadcast must be done before it is refilled
+            if (previous := works[slot]) is not None:
+                previous.wait()  # the buffer's previous broadcast must be done before it is refilled
             buf = staging[slot][:size]
             for spec, t in by_bucket[b]:
                 buf[spec.offset:spec.offset + spec.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
@@ -223,7 +198,7 @@ class WeightTransferGroup:
         theirs = torch.empty(len(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(theirs).wait()
         sent = theirs.tolist()
-        bad = [b for b, (x, y) in enumerate(zip(mine.tolist(), sent)) if x != y]
+        bad = [b for b, (x, y) in enumerate(zip(mine.tolist(), sent, strict=True)) if x != y]
         if bad:
             raise WeightTransferError(f"weight transfer rank {self.rank}: push v{layout['version']}: "
                                       f"{len(bad)} of {len(sizes)} buckets differ from what was sent: {bad[:8]}")

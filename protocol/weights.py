@@ -53,7 +53,7 @@ def pack_buckets(tensors: Iterable[tuple[str, str, tuple[int, ...], np.ndarray]]
         fill += raw.size
     datas = [np.concatenate(p) if p else np.zeros(0, np.uint8) for p in parts]
     sums = [checksum_of(d) for d in datas]
-    buckets = [WeightBucket(version, i, d, s) for i, (d, s) in enumerate(zip(datas, sums))]
+    buckets = [WeightBucket(version, i, d, s) for i, (d, s) in enumerate(zip(datas, sums, strict=True))]
     manifest = WeightManifest(version, specs, [int(d.size) for d in datas], sums,
                               int(sum(d.size for d in datas)), _manifest_checksum(specs, sums, version))
     return manifest, buckets
@@ -67,7 +67,7 @@ def verify_buckets(manifest: WeightManifest, buckets: list[WeightBucket]) -> lis
     by_index: dict[int, WeightBucket] = {}
     for b in buckets:
         if b.version != manifest.version:
-            raise ProtocolError(f"bucket[{b.index}].version", manifest.version, b.version)
+            raise ProtocolError(f"bucket[{b.index}].version", str(manifest.version), b.version)
         if b.index in by_index:
             raise ProtocolError(f"bucket[{b.index}]", "each bucket once", "a duplicate")
         by_index[b.index] = b

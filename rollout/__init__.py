@@ -1,6 +1,7 @@
-"""Rollout side of Inflight: vLLM engines that sample scored groups and take weight pushes in flight.
+"""Rollout side of Inflight: vLLM engines that sample scored groups and install weight pushes in flight.
 
-- :mod:`rollout.engine` -- :class:`~rollout.engine.RolloutEngine` around vLLM's ``AsyncLLM``;
+- :mod:`rollout.engine` -- :class:`~rollout.engine.RolloutEngine`, the facade around vLLM's ``AsyncLLM``;
+- :mod:`rollout.sampling` / :mod:`rollout.install` / :mod:`rollout.labels` -- its groups, installs, version labels;
 - :mod:`rollout.options` -- recipe ``vllm_cfg`` -> engine arguments, checked against the installed vLLM;
 - :mod:`rollout.weight_receiver` -- verify a weight push and stage it in shared memory;
 - :mod:`rollout.rewards` / :mod:`rollout.tasks` -- reward functions and prompt sources.

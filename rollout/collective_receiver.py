@@ -1,37 +1,19 @@
-"""Receive weight pushes over a collective group inside vLLM's workers.
+"""Receive weight pushes over a collective group inside vLLM's workers (``worker_extension_cls``).
 
-vLLM runs its model in worker processes (V1 ``AsyncLLM`` always puts the
-engine core in a child process), so a push that arrives over NCCL (gloo on
-CPU) must be received *there*, on the worker's device, next to the model.
-:class:`CollectiveWeightReceiver` is a vLLM ``worker_extension_cls``: its
-methods are mixed into the worker class and called from the engine with
-``collective_rpc``:
-
-1. ``inflight_join_weight_group(host, port, rank_base, world_size, timeout_s)``
-   -- join the learner's :class:`protocol.weight_transfer.WeightTransferGroup`
-   as rank ``rank_base + worker rank`` (an engine with tensor parallelism has
-   one member per worker; each gets the full weights), closing any previous
-   group first.
-2. ``inflight_receive_weights()`` -- receive the next push into buffers on
-   the worker's device and verify its device checksums (a corrupted or short
-   transfer raises, nothing is kept); returns the encoded
-   :class:`protocol.WeightManifest`. Generation continues around it: the
-   engine core runs this between two scheduler steps and it lasts as long as
-   the transfer.
-3. ``inflight_install_received(version, direct_load)`` -- with generation
-   paused by the engine, load the received tensors through vLLM's layerwise
-   ``reload_weights`` (the path that repacks CPU linear weights and reorders
-   FlashInfer CUTLASS MoE gate/up halves; a plain ``load_weights`` would
-   not), or, once :mod:`rollout.direct_load` has proven plain ``load_weights``
-   gives the same tensors for this model, through that faster path, and once
-   its copy plan is proven too, with one foreach copy from the buffers into
-   the parameters; then free the buffers. Returns the bytes and the path taken.
-4. ``inflight_drop_received()`` -- free the buffers of a push the engine
-   rejected.
+A push over NCCL (gloo on CPU) must be received in the worker processes, on
+the worker's device, next to the model. :class:`CollectiveWeightReceiver` is
+mixed into vLLM's worker class; the engine calls its methods through
+``collective_rpc``: ``inflight_join_weight_group`` (join the learner's
+:class:`protocol.weight_transfer.WeightTransferGroup`), ``inflight_receive_weights``
+(receive and device-verify the next push between two scheduler steps),
+``inflight_install_received`` (install it while paused, through
+:mod:`rollout.direct_load`) and ``inflight_drop_received`` (free a rejected
+push). docs/rollout.md ("Pushes over a weight group") has the steps.
 """
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +25,11 @@ class CollectiveWeightReceiver:
     _inflight_group = None
     _inflight_received = None
     _inflight_direct_load = None
+
+    if TYPE_CHECKING:  # provided by the vLLM worker class this is mixed into
+        model_runner: Any
+
+        def reload_weights(self, weights_iterator: Any = None) -> None: ...
 
     def inflight_join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
                                    timeout_s: float) -> int:

@@ -1,4 +1,11 @@
-"""Typed configuration of generation (``policy.generation``), NeMo-RL names."""
+"""Typed configuration of generation (``policy.generation``), NeMo-RL names.
+
+:class:`GenerationConfig` holds the sampling settings, deadlines and retries;
+:class:`VllmConfig` (``policy.generation.vllm_cfg``) the engine options that
+:mod:`rollout.options` maps onto vLLM; :class:`ColocatedConfig` whether the
+engines share the learner's devices. The docstring under each field is its
+description in ``inflight validate --explain``.
+"""
 from __future__ import annotations
 
 from typing import Literal
@@ -11,21 +18,21 @@ from protocol.config_base import ConfigModel
 class VllmConfig(ConfigModel):
     """``policy.generation.vllm_cfg``: options of each vLLM engine."""
 
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     """GPUs per engine for tensor parallelism (vLLM ``tensor_parallel_size``)."""
-    expert_parallel_size: int = Field(1, ge=1, le=64)
+    expert_parallel_size: int = Field(default=1, ge=1, le=64)
     """Expert parallelism inside an engine; > 1 sets vLLM ``enable_expert_parallel`` (MoE models only)."""
-    pipeline_parallel_size: int = Field(1, ge=1, le=16)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=16)
     """Pipeline stages per engine (vLLM ``pipeline_parallel_size``)."""
     enforce_eager: bool = False
     """True: eager PyTorch. False: torch.compile and, on GPU, CUDA graphs (``compilation_config.cudagraph_mode``)."""
-    max_num_seqs: int = Field(256, ge=1, le=4096)
+    max_num_seqs: int = Field(default=256, ge=1, le=4096)
     """Most sequences an engine runs at once (vLLM ``SchedulerConfig.max_num_seqs``)."""
-    max_model_len: int | None = Field(None, ge=16)
+    max_model_len: int | None = Field(default=None, ge=16)
     """Context length of the engine; default: ``policy.max_total_sequence_length``."""
-    gpu_memory_utilization: float = Field(0.6, gt=0.0, le=0.98)
+    gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=0.98)
     """Fraction of GPU memory vLLM may take (ignored on CPU)."""
-    cpu_kvcache_space_gib: float = Field(1.0, gt=0.0, le=512)
+    cpu_kvcache_space_gib: float = Field(default=1.0, gt=0.0, le=512)
     """KV-cache size on CPU in GiB (exported as ``VLLM_CPU_KVCACHE_SPACE``; required on CPU)."""
     moe_backend: Literal["auto", "triton", "flashinfer_cutlass", "flashinfer_trtllm", "cutlass", "marlin"] = "auto"
     """Fused-MoE kernel (vLLM ``KernelConfig.moe_backend``); ``flashinfer_cutlass`` on Hopper/Blackwell."""
@@ -37,7 +44,7 @@ class VllmConfig(ConfigModel):
     """Engine dtype. The CPU recipe uses float32 so that engine and learner log-probs agree tightly."""
     enable_prefix_caching: bool = True
     """vLLM prefix caching; the prefix cache is reset after every weight update."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
     """Sampling seed of the engine (per-request seeds derive from it)."""
     direct_weight_load: bool = True
     """Collective refit: install pushes with vLLM's plain ``load_weights`` once the first push has proven it
@@ -58,23 +65,23 @@ class GenerationConfig(ConfigModel):
 
     backend: Literal["vllm"] = "vllm"
     """Generation backend; only vLLM."""
-    max_new_tokens: int = Field(4096, ge=1)
+    max_new_tokens: int = Field(default=4096, ge=1)
     """Most tokens sampled per answer."""
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     """Sampling temperature; GRPO needs > 0 so that a group's answers differ."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(default=None, ge=1)
     """Top-k sampling; None disables it."""
     stop_strings: list[str] = Field(default_factory=list)
     """Extra strings that end an answer (EOS always does)."""
-    request_timeout_s: float = Field(600.0, gt=0.0)
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
     """Deadline for one sample attempt; an attempt that exceeds it is aborted in the engine and retried."""
-    max_retries: int = Field(2, ge=0, le=10)
+    max_retries: int = Field(default=2, ge=0, le=10)
     """Times a failed or timed-out sample is regenerated before it is dropped with a reason."""
     colocated: ColocatedConfig = Field(default_factory=lambda: ColocatedConfig())
     """Whether generation shares the learner's devices (NeMo-RL ``policy.generation.colocated``)."""
-    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+    vllm_cfg: VllmConfig = Field(default_factory=lambda: VllmConfig())
     """Engine options."""
 
     @model_validator(mode="after")

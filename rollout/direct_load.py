@@ -1,56 +1,15 @@
-"""Install pushed weights with vLLM's plain ``load_weights`` once it is proven equal to ``reload_weights``.
+"""Install pushed weights with vLLM's plain ``load_weights``, or a copy plan, once proven equal to reload.
 
-vLLM's ``reload_weights`` (layerwise reload) is the safe way to install new
-weights into a running engine: it buffers each layer's checkpoint tensors,
-re-runs ``process_weights_after_loading`` (which, for some kernels, reorders
-or repacks the weights: FlashInfer CUTLASS MoE swaps the gate/up halves, the
-CPU backend repacks linear weights) and copies the result into the tensors
-the kernels and CUDA graphs use. For a plain dense model that processing
-changes nothing, and the model's own ``load_weights`` -- one narrow + copy per
-checkpoint tensor into the fused parameters -- gives the same bytes several
-times faster (the layerwise machinery took 74 ms of the ~95 ms export ->
-installed for a 2.6 GB model on H200).
-
-Which case a model is in is decided by measurement, not by a list of
-architectures. On the first push that changes the weights, the worker:
-
-1. fingerprints every tensor of the model (parameters, buffers and tensor
-   attributes, which is where processed kernel copies live) -- ``before``;
-2. installs the push with plain ``load_weights`` -- ``plain``;
-3. installs the same push with ``reload_weights`` (so the engine ends on the
-   safe path's result whatever the outcome) -- ``reloaded``.
-
-If ``reloaded`` equals ``before``, the push changed nothing and the check is
-not conclusive: it runs again on the next push. Otherwise plain load is
-*proven* for this engine when ``plain == reloaded`` for every tensor (plain
-load writes in place, into the storage CUDA graphs read). A derived tensor
-that plain load leaves stale, a reordered half or a repacked copy makes them
-differ, and the engine keeps ``reload_weights`` for good. A proven plain
-load that later raises (a push with other tensors) is repaired by
-``reload_weights`` and never tried again. The fingerprint is
-:func:`protocol.weight_transfer.device_checksum` of each tensor's bytes
-(computed on its device, one host sync per device). The parity probe after
-every refit (``logger.parity_max_gen_kl``) still guards the result.
-
-**Copy plan.** Once plain ``load_weights`` is proven, what it does for a dense
-model is a fixed set of copies -- each pushed tensor lands whole in one
-contiguous range of a fused parameter (``q``/``k``/``v`` into ``qkv_proj``,
-``gate``/``up`` into ``gate_up_proj``) -- paid for in Python per tensor (its
-name mapping and weight loader: ~55 us each, 17 ms for 310 tensors of a
-2.6 GB model on H200). :class:`CopyPlan` records those copies once and then
-installs a push with one ``torch._foreach_copy_`` from the received buffers
-into the parameters. The plan is found, on the push that proves plain load,
-right after that check, by loading *markers*: every pushed tensor ``i`` is replaced by a
-tensor of its shape whose every element has the bit pattern ``BASE + i``
-(a huge float no trained weight holds), loaded with ``load_weights``; each
-contiguous run of one marker in a model tensor is where tensor ``i`` goes. A
-tensor that lands in pieces (a tensor-parallel shard) or in part refuses the
-plan. The plan is then proven like plain load was: from the marker state,
-install the push through the plan and fingerprint; install it with
-``load_weights`` and fingerprint again; the plan is used only if both are
-equal in every tensor (a region the plan misses still holds markers, a
-transposed or converted copy gives other bytes). A push whose tensor names or
-shapes differ from the plan's is installed with ``load_weights``.
+vLLM's layerwise ``reload_weights`` is always correct (it re-runs each layer's
+``process_weights_after_loading``, which repacks CPU linear weights and
+reorders FlashInfer CUTLASS MoE gate/up halves). For a plain dense model that
+processing changes nothing and the model's own ``load_weights`` is 4-5x
+faster. :class:`DirectLoad` decides by measurement (fingerprints of every
+tensor after a plain load and after a reload, on the first push that changes
+the weights); :class:`CopyPlan` then records plain load's copies with marker
+tensors and, once proven equal too, installs a push with one
+``torch._foreach_copy_``. docs/rollout.md ("Install path", "Copy plan") has
+the method and the measurements.
 """
 from __future__ import annotations
 
@@ -123,6 +82,7 @@ def _checksum(raw: torch.Tensor) -> torch.Tensor:
             chunk = padded
         part = device_checksum(chunk) * (k + 1)
         total = part if total is None else total + part
+    assert total is not None  # the loop runs at least once
     return total
 
 
@@ -178,7 +138,7 @@ class CopyPlan:
                 yield name, torch.full(t.shape, MARKER_BASE[size] + i, dtype=_INT_VIEWS[size],
                                        device=t.device).view(t.dtype)
 
-        model.load_weights(markers())
+        _plain_load(model, markers())
         tensors = model_tensors(model, ignore)
         landed: dict[int, list[tuple[str, int, int]]] = {}
         seen = set()
@@ -209,7 +169,12 @@ class CopyPlan:
         dsts = [dst for _, dst in self.steps]
         srcs = [pushed[name].reshape(-1) for name, _ in self.steps]
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(dsts, srcs)  # pyright: ignore[reportPrivateImportUsage] -- torch's fused copy
+
+
+def _plain_load(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's plain ``model.load_weights`` (every vLLM model has one; ``nn.Module`` does not declare it)."""
+    model.load_weights(weights)  # pyright: ignore[reportCallIssue] -- nn.Module's __getattr__ claims a Tensor
 
 
 def _marker_runs(flat: torch.Tensor, base: int, count: int) -> list[tuple[int, int, int]]:
@@ -226,12 +191,12 @@ def _marker_runs(flat: torch.Tensor, base: int, count: int) -> list[tuple[int, i
         values, lengths = torch.unique_consecutive(index, return_counts=True)
         starts = torch.cumsum(lengths, 0) - lengths
         keep = values >= 0
-        for i, start, length in zip(values[keep].tolist(), starts[keep].tolist(), lengths[keep].tolist()):
+        for i, start, length in zip(values[keep].tolist(), starts[keep].tolist(), lengths[keep].tolist(), strict=True):
             if runs and runs[-1][0] == i and runs[-1][1] + runs[-1][2] == offset + start:
                 runs[-1][2] += length
             else:
                 runs.append([i, offset + start, length])
-    return [tuple(r) for r in runs]
+    return [(r[0], r[1], r[2]) for r in runs]
 
 
 class DirectLoad:
@@ -261,7 +226,7 @@ class DirectLoad:
                     if self.plan.fits(pushed):
                         self.plan.install(pushed)
                         return "copy"
-                model.load_weights(weights())
+                _plain_load(model, weights())
                 return "direct"
             except Exception as exc:  # e.g. a push with other tensors than the proven ones: repair, stop trusting
                 self.proven, self.plan = False, None
@@ -274,7 +239,7 @@ class DirectLoad:
         before = fingerprint(model, ignore)
         plain_error = ""
         try:
-            model.load_weights(weights())
+            _plain_load(model, weights())
         except Exception as exc:  # the safe path below repairs whatever the plain load left
             plain_error = f"plain load_weights raised {type(exc).__name__}: {exc}"[:300]
         plain = fingerprint(model, ignore)
@@ -306,7 +271,7 @@ class DirectLoad:
             planned = fingerprint(model, ignore)
         except Exception as exc:  # load_weights below restores every tensor the markers touched
             plan, self.plan_refused_reason = None, f"{type(exc).__name__}: {exc}"[:300]
-        model.load_weights(weights())
+        _plain_load(model, weights())
         if plan is None:
             return
         loaded = fingerprint(model, ignore)

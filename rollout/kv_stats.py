@@ -1,19 +1,12 @@
 """vLLM's own count of KV-cache recomputation, read in-process through a custom stat logger.
 
-A running request whose KV cache is dropped is *preempted* by vLLM's scheduler
-(back to the waiting queue, ``num_computed_tokens = 0``) and prefilled again:
-its prompt and every token it had sampled are computed once more. An in-flight
-weight update with ``clear_cache=True`` (``recompute_kv_cache_after_weight_updates``)
-does exactly that to every running request (``Scheduler.reset_prefix_cache(
-reset_running_requests=True)``); with ``clear_cache=False`` the running requests
-keep their KV and nothing is preempted.
-
-vLLM reports both per engine step to its stat loggers (``AsyncLLM(stat_loggers=...)``):
-``IterationStats.num_preempted_reqs`` (also the Prometheus ``vllm:num_preemptions``)
-and, when a preempted request is scheduled again, ``PrefixCacheStats.preempted_queries``
-(its tokens at that moment) and ``preempted_hits`` (those found in the prefix cache).
-``vllm:prompt_tokens`` does not count these repeat prefills. The token counts are
-recorded only with prefix caching on (vLLM skips the lookup otherwise).
+A running request whose KV cache is dropped (an install with
+``recompute_kv_cache_after_weight_updates``, or a full KV cache) is preempted
+by vLLM's scheduler and prefilled again. vLLM reports that per engine step to
+its stat loggers (``IterationStats.num_preempted_reqs``, and
+``PrefixCacheStats.preempted_queries`` / ``preempted_hits`` when the request
+is scheduled again); :class:`KvCounters` sums them for ``RolloutEngine.stats()``.
+docs/rollout.md ("KV cache across an update") has what they show.
 """
 from __future__ import annotations
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 """Python's own helper processes: started on the first engine's build, they outlive every engine."""
 
 
-def _children() -> dict[int, object]:
+def _children() -> dict[int, psutil.Process]:
     import psutil
 
     out = {}
@@ -71,7 +75,7 @@ def _shm_mapped_by(pid: int) -> set[str]:
 class EngineProcesses:
     """The child processes one vLLM engine started and the ``/dev/shm`` segments they mapped."""
 
-    def __init__(self, processes: dict[int, object], segments: set[str]):
+    def __init__(self, processes: dict[int, psutil.Process], segments: set[str]):
         self.processes, self.segments = processes, segments
 
     @staticmethod

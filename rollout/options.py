@@ -1,19 +1,12 @@
 """Recipe ``policy.generation.vllm_cfg`` -> vLLM engine arguments, checked against the installed vLLM.
 
-:func:`probe_vllm` looks at the vLLM that is installed (its version, the
-platform it runs on, the fields of ``EngineArgs`` and the values its
-``moe_backend`` / ``all2all_backend`` / ``cudagraph_mode`` types accept).
-:func:`build_engine_options` then maps the recipe onto engine arguments:
-
-- on GPU every option is applied; a value the installed vLLM does not know
-  raises :class:`EngineOptionError` naming the recipe key;
-- on CPU the GPU-only options (tensor/pipeline/expert parallelism, MoE and
-  all-to-all backends, ``gpu_memory_utilization``) are *ignored* and listed
-  in :attr:`EngineOptions.ignored` with the reason, and the KV-cache size is
-  exported as ``VLLM_CPU_KVCACHE_SPACE`` (required on CPU, whole GiB).
-
-The result says what was applied and what was ignored so the services layer
-can show it. Nothing here starts an engine.
+:func:`probe_vllm` looks at the installed vLLM (version, platform, the fields
+of ``EngineArgs``, the values its ``moe_backend`` / ``all2all_backend`` /
+``cudagraph_mode`` accept); :func:`build_engine_options` maps the recipe onto
+engine arguments. On GPU a value the installed vLLM does not know raises
+:class:`EngineOptionError` naming the recipe key; on CPU the GPU-only options
+are ignored and listed in :attr:`EngineOptions.ignored` with the reason.
+Nothing here starts an engine. docs/rollout.md ("Engine options") has the table.
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
 """Reward functions: one interface, a registry, and a bounded scorer.
 
-A reward function scores a whole group at once. It receives a list of
-:class:`RewardInput` (decoded response text, response token ids, and the
-prompt's ``task`` dict) and returns one entry per sample: a float, or a
-:class:`RewardFailure` when *that* sample cannot be scored (for example the
-task lacks its reference answer). It may be a plain function or a coroutine
-function.
-
-:func:`score_group` runs it under a deadline -- coroutine functions are
-awaited, plain functions run in a worker thread -- and turns every kind of
-failure (exception, timeout, wrong number of results, non-finite value) into
-per-sample :class:`RewardFailure` s. A failure is never turned into reward 0:
-the engine marks such samples ``finish_reason="error"`` with the reason.
-
-Shipped functions (``get_reward_fn(name)``):
-
-- ``math_exact``: 1.0 if the response's numeric answer equals
-  ``task["answer"]``. The answer is the content of the last ``\\boxed{...}``,
-  else the last number in the text.
-- ``format``: 1.0 if the response ends with an answer in a checkable form
-  (``\\boxed{...}`` or ``The answer is N``), else 0.0.
-- ``repeat_letter``: the toy task of the embedded CPU default (see
-  :mod:`rollout.tasks`): the fraction of response tokens that start with the
-  target letter (``task["target_token_ids"]``, comma-separated ids; the
-  exact `` a`` token ``task["target_token_id"]`` alone when that is absent).
-  The reward is dense (every token counts, ~5 % of random tokens earn
-  credit), so a tiny random model gets a learning signal from the first step.
+A reward function scores a whole group at once: a list of :class:`RewardInput`
+(response text, token ids, the prompt's ``task``) in, one float or
+:class:`RewardFailure` per sample out; plain or coroutine function.
+:func:`score_group` runs it under a deadline and turns every failure
+(exception, timeout, wrong count, non-finite value) into per-sample
+:class:`RewardFailure` s -- never into reward 0. :func:`get_reward_fn` knows
+``math_exact``, ``format`` and ``repeat_letter`` (docs/rollout.md, "Rewards"),
+or loads ``module:function`` / ``file.py:function``.
 """
 from __future__ import annotations
 
@@ -36,7 +18,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Union
+from typing import cast
 
 
 @dataclass(frozen=True)
@@ -55,7 +37,7 @@ class RewardFailure:
     reason: str
 
 
-RewardResult = Union[float, RewardFailure]
+RewardResult = float | RewardFailure
 RewardFn = Callable[[list[RewardInput]], list[RewardResult] | Awaitable[list[RewardResult]]]
 """Scores a batch of samples; plain or ``async``; one result per sample."""
 
@@ -160,7 +142,7 @@ def get_reward_fn(name: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: {where!r} has no callable {attr!r}")
-    return fn
+    return cast(RewardFn, fn)  # a user's function: its results are checked at every call (_check_results)
 
 
 def _load_module(where: str):
@@ -195,7 +177,7 @@ def _check_results(results: object, n: int) -> list[RewardResult]:
 
 
 def _is_async(fn: RewardFn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
 
 
 async def score_group(reward_fn: RewardFn, batch: list[RewardInput], timeout_s: float,
@@ -209,8 +191,9 @@ async def score_group(reward_fn: RewardFn, batch: list[RewardInput], timeout_s: 
         return []
     loop = asyncio.get_running_loop()
     try:
+        call: Awaitable[object]
         if _is_async(reward_fn):
-            call = reward_fn(batch)
+            call = cast(Awaitable[object], reward_fn(batch))
         else:
             call = loop.run_in_executor(executor, reward_fn, batch)
         results = await asyncio.wait_for(call, timeout_s)

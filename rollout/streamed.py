@@ -1,25 +1,13 @@
 """Per-token weight versions without engine-side labels (vLLM releases before per-token labels, e.g. 0.25.1).
 
-vLLM 0.32 stamps every output token with the weight version it was sampled
-under (``CompletionOutput.weight_versions``); older releases, such as the
-0.25.1 that runs on the GPU hosts, do not. There the engine streams each
-request (``output_kind=DELTA``) into a :class:`StreamedSample`, and
-:class:`VersionTracker` keeps every sample still running. An in-flight weight
-update pauses generation (``keep``), lets the front end deliver the outputs
-the engine produced before the pause (:func:`drain_frontend`), and -- still
-paused, at the moment the new version becomes current -- marks each running
-sample's token count: tokens before the mark carry the old version, tokens
-after it the new one.
-
-Exactness: vLLM resolves the pause reply as soon as it reaches the front end,
-while step outputs pass through an output queue and the output handler first
-(``AsyncLLM.pause_generation`` sleeps a fixed 20 ms for this, and the engine
-keeps that sleep on this path). :func:`drain_frontend` then waits, up to a bound,
-until that queue is empty and yields to the tasks that consume the outputs,
-so the marks are exact unless the front end is still
-behind when the bound runs out (then some tokens sampled under v are labelled
-v+1; the log-probs recorded for them are still the ones they were sampled
-with). :func:`drain_frontend` reports whether the drain completed.
+Each request streams ``DELTA`` outputs into a :class:`StreamedSample`;
+:class:`VersionTracker` keeps the samples still running. An install pauses
+generation, lets the front end deliver the outputs produced before the pause
+(:func:`drain_frontend`), and -- still paused, once the new version is current
+-- marks each running sample's token count: tokens before the mark carry the
+old version, tokens after it the new one. The marks are exact unless the front
+end is still behind when the drain's bound runs out (:func:`drain_frontend`
+then returns False; docs/rollout.md, "Versions").
 """
 from __future__ import annotations
 

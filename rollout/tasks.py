@@ -1,27 +1,19 @@
 """Prompt sources (``env.task``): deterministic prompt sets for the shipped rewards.
 
 ``make_prompts(task, tokenizer, num_prompts, seed)`` returns
-:class:`protocol.PromptRequest` s whose ``prompt_ids`` come from the
-tokenizer's chat template (one user turn, generation prompt appended) and
-whose ``task`` dict carries what the matching reward function needs. The same
-seed always gives the same prompts, and ``prompt_id`` is ``f"{task}-{i}"``.
-
-- ``repeat_letter`` (reward ``repeat_letter``): "Repeat the letter i." The
-  targets are the two letters that begin the most vocabulary tokens (and whose
-  space-prefixed form `` i`` is one token, so a perfect answer `` i i i ...``
-  exists). Every token whose text starts with the letter earns credit
-  (``task["target_token_ids"]``, comma-separated): about 5 % of a tiny
-  model's vocabulary, so almost every group of random answers already has
-  reward differences to learn from — with only the exact `` a`` token, 7 of 8
-  groups had all-zero rewards and no gradient (measured).
-  ``task = {"target": "a", "target_token_id": <id of " a">, "target_token_ids": "12,45,..."}``.
-- ``arithmetic`` (rewards ``math_exact`` / ``format``): "What is a plus b?"
-  with ``task = {"answer": a + b}``.
+:class:`protocol.PromptRequest` s built with the tokenizer's chat template,
+whose ``task`` dict carries what the matching reward needs; the same seed
+gives the same prompts (``prompt_id`` is ``f"{task}-{i}"``). Tasks:
+``repeat_letter`` ("Repeat the letter i.", reward ``repeat_letter``) and
+``arithmetic`` ("What is a plus b?", rewards ``math_exact`` / ``format``);
+docs/rollout.md ("The toy task") says why the letter task is built as it is.
 """
 from __future__ import annotations
 
 import random
 import string
+
+import numpy as np
 
 from protocol import PromptRequest
 
@@ -68,12 +60,14 @@ def make_prompts(task: str, tokenizer, num_prompts: int, seed: int) -> list[Prom
         targets = repeat_targets(tokenizer)
         for i in range(num_prompts):
             letter, token_id, starting = targets[rng.randrange(len(targets))]
-            prompts.append(PromptRequest(f"{task}-{i}", chat_prompt_ids(tokenizer, f"Repeat the letter {letter}."),
+            ids = np.asarray(chat_prompt_ids(tokenizer, f"Repeat the letter {letter}."))
+            prompts.append(PromptRequest(f"{task}-{i}", ids,
                                          {"target": letter, "target_token_id": token_id,
                                           "target_token_ids": ",".join(map(str, starting))}))
     else:
         for i in range(num_prompts):
             a, b = rng.randint(0, 99), rng.randint(0, 99)
-            prompts.append(PromptRequest(f"{task}-{i}", chat_prompt_ids(tokenizer, f"What is {a} plus {b}?"),
+            ids = np.asarray(chat_prompt_ids(tokenizer, f"What is {a} plus {b}?"))
+            prompts.append(PromptRequest(f"{task}-{i}", ids,
                                          {"answer": a + b}))
     return prompts

@@ -1,26 +1,14 @@
 """In-flight weight receiver: verify a weight push, then stage it for vLLM to load.
 
-A push is a :class:`protocol.WeightManifest` plus its :class:`protocol.WeightBucket` s.
-Before anything touches the engine, :func:`verify_push` checks that
-
-1. the push is complete and intact (every bucket present once, sizes and
-   CRC32 checksums match -- :func:`protocol.weights.unpack_buckets`);
-2. the version moves forward (``manifest.version > current``), unless the
-   caller re-syncs the engine to a learner (then any version is accepted);
-3. it names exactly the model's parameters, each once, with the shape and
-   dtype the model's checkpoint has (:class:`ExpectedParams`, read from the
-   safetensors headers of the model directory without loading any tensor).
-
-Any failure raises :class:`WeightUpdateError` and nothing is staged. A push
-that passes is written by :func:`stage_push` as a single ``model.safetensors``
-into a fresh directory under ``/dev/shm`` (RAM-backed), straight from the
-bucket bytes: the safetensors format is an 8-byte header length, a JSON
-header with each tensor's dtype, shape and byte range, then the raw bytes.
-The engine then asks its workers to ``reload_weights`` from that directory.
-
-A push that arrived over a collective group (:mod:`rollout.collective_receiver`)
-was checked byte for byte on the device; :func:`verify_manifest` then applies
-checks 2 and 3 to its manifest before it is installed.
+:func:`verify_push` checks, before anything touches the engine, that a push
+(manifest + buckets) is complete and intact, moves the version forward
+(unless re-syncing), and names exactly the model's parameters with their
+checkpoint shapes and dtypes (:class:`ExpectedParams`, read from the
+safetensors headers); any failure raises :class:`WeightUpdateError`.
+:func:`stage_push` writes a verified push as one ``model.safetensors`` under
+``/dev/shm`` straight from the bucket bytes, for ``reload_weights``.
+:func:`verify_manifest` applies the version and parameter checks to a push
+that arrived over a weight group. docs/rollout.md ("In-flight weight update").
 """
 from __future__ import annotations
 
@@ -150,7 +138,7 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[TensorSpec, n
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, raw in tensors:
-            f.write(memoryview(np.ascontiguousarray(raw)).cast("B"))
+            f.write(np.ascontiguousarray(raw).data.cast("B"))
     return 8 + len(blob) + offset
 
 

@@ -49,7 +49,7 @@ class Sender:
         t = threading.Thread(target=lambda: sent.setdefault("manifest", self.group.send(version, tensors, 1 << 16)))
         t.start()
         try:
-            return self.harness.run(self.harness.engine.receive_weights(reset=reset))
+            return self.harness.run(self.harness.engine.install_from_group(reset=reset))
         finally:
             t.join(TIMEOUT_S)
 
@@ -86,7 +86,7 @@ def test_collective_push_installs_the_weights_and_reset_restores_them(harness, s
     # the same weights through the object-store path give the same samples, bit for bit
     from protocol import pack_buckets
     manifest, buckets = pack_buckets(model_tensors(tiny_model_dir_v2), v + 2, 1 << 20)
-    harness.run(engine.apply_weights(manifest, buckets))
+    harness.run(engine.install(manifest, buckets))
     again, group2 = greedy_tokens(harness)
     assert again == changed
     for a, b in zip(group.trajectories, group2.trajectories):

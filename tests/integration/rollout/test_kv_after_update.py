@@ -47,7 +47,7 @@ def _update_while_running(harness, new_model_dir: str, recompute_kv: bool):
         while _generated_tokens() - generated < TOKENS_BEFORE_UPDATE * n and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # the samples run as one batch: each has sampled some tokens under v
         manifest, buckets = pack_buckets(model_tensors(new_model_dir), v + 1, 1 << 20)
-        await engine.apply_weights(manifest, buckets)
+        await engine.install(manifest, buckets)
         return await asyncio.gather(*tasks)
 
     old_max, old_recompute = engine.generation.max_new_tokens, engine.recompute_kv_cache_after_weight_updates

@@ -97,7 +97,7 @@ def test_push_changes_outputs_and_restoring_with_reset_is_bit_identical(harness,
     assert tokens_of(changed) != tokens_of(before)
     assert all((t.versions == v_before + 1).all() for t in changed.trajectories)
     manifest, buckets = pack_buckets(model_tensors(tiny_model_dir), v_before, 1 << 20)
-    assert harness.run(engine.apply_weights(manifest, buckets, reset=True)) == v_before == engine.version
+    assert harness.run(engine.install(manifest, buckets, reset=True)) == v_before == engine.version
     restored = harness.run(engine.generate_group(request, GROUP_SIZE))
     assert tokens_of(restored) == tokens_of(before)
     for a, b in zip(restored.trajectories, before.trajectories):
@@ -128,7 +128,7 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)  # let every sample produce some tokens under v
         manifest, buckets = pack_buckets(model_tensors(tiny_model_dir_v2), v + 1, 1 << 20)
-        await engine.apply_weights(manifest, buckets)
+        await engine.install(manifest, buckets)
         return await asyncio.gather(*tasks)
 
     engine.generation.max_new_tokens = 400
@@ -207,7 +207,7 @@ def test_bad_push_is_rejected_and_old_weights_keep_serving(harness, damage):
         data[10] ^= 0xFF
         buckets[0].data = data
     with pytest.raises(WeightUpdateError) as err:
-        harness.run(engine.apply_weights(manifest, buckets))
+        harness.run(engine.install(manifest, buckets))
     print(f"\n{damage}: {err.value}")
     assert engine.version == v
     after = harness.run(engine.generate_group(request, GROUP_SIZE))

@@ -155,10 +155,10 @@ def test_prompt_request_rules():
 
 
 def test_control_message_rules():
-    m = wire_map(ControlMessage("pause", {"reason": "refit"}))
+    m = wire_map(ControlMessage("error", {"reason": "refit"}))
     m["action"] = "explode"
-    _reject(m, "action", "one of ('attach'", "'explode'")
-    m = wire_map(ControlMessage("pause", {"reason": "refit"}))
+    _reject(m, "action", "one of ('error',)", "'explode'")
+    m = wire_map(ControlMessage("error", {"reason": "refit"}))
     m["payload"]["reason"] = {"nested": 1}
     _reject(m, "payload.reason", "a scalar", "dict")
 
@@ -220,6 +220,6 @@ def test_error_repr_is_bounded_for_hostile_values():
 @pytest.mark.parametrize("schema", [np.zeros(2, np.int32), np.ones(1, np.int64), 1.0, True, 2, "1", None])
 def test_schema_must_be_exactly_the_int_version(schema):
     """An array here once escaped as numpy's "truth value is ambiguous" ValueError."""
-    m = wire_map(ControlMessage("ack"))
+    m = wire_map(ControlMessage("error"))
     m["schema"] = schema
     _reject(m, "schema", "schema version 1")

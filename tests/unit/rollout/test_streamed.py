@@ -47,33 +47,3 @@ def test_drain_waits_for_the_output_queue_and_reports_a_missing_one():
         queue.put_nowait("stuck")
         return drained, await drain_frontend(llm, limit_s=0.01), await drain_frontend(SimpleNamespace())
     assert asyncio.run(scenario()) == (True, False, False)
-
-
-def test_the_engine_pauses_without_pause_generations_fixed_sleep_where_labels_are_engine_side():
-    """``rollout.engine._pause`` asks the engine client to pause (what ``AsyncLLM.pause_generation`` does
-    before its 20 ms sleep); with streamed labels, or where the client cannot, it takes the full
-    ``pause_generation``."""
-    from rollout.engine import _pause
-
-    calls = []
-
-    class Core:
-        async def pause_scheduler_async(self, mode, clear_cache):
-            calls.append(("core", mode, clear_cache))
-
-    class Client:
-        engine_core = Core()
-
-        async def pause_generation(self, mode, clear_cache):
-            calls.append(("generation", mode, clear_cache))
-            await asyncio.sleep(0.02)
-
-    class OldClient(Client):
-        engine_core = None
-
-    asyncio.run(_pause(Client(), "keep", False, settle=False))
-    assert calls == [("core", "keep", False)]
-    asyncio.run(_pause(Client(), "keep", False, settle=True))  # streamed labels: the front end must catch up
-    assert calls[-1] == ("generation", "keep", False)
-    asyncio.run(_pause(OldClient(), "wait", True, settle=False))
-    assert calls[-1] == ("generation", "wait", True)

@@ -1,0 +1,81 @@
+"""Per-token weight versions: which of the two labelling modes an engine uses, and each mode's bookkeeping.
+
+Engine-side labels (vLLM 0.32): the engine core stamps every step's output with
+a version label (``AsyncLLM.update_weight_version``, changed only while
+generation is paused) and a finished request reports ``weight_versions`` spans;
+requests run ``FINAL_ONLY``. Streamed labels (older vLLM, e.g. the GPU hosts'
+0.25.1): requests stream ``DELTA`` outputs and an install marks each running
+sample's token count while paused (:mod:`rollout.streamed`). docs/rollout.md
+("Versions") has the details.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
+
+logger = logging.getLogger(__name__)
+
+
+def engine_labels_available() -> bool:
+    """Whether the installed vLLM labels outputs with weight versions itself."""
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return "weight_versions" in CompletionOutput.__dataclass_fields__ and hasattr(AsyncLLM, "update_weight_version")
+
+
+class VersionLabels:
+    """How one engine's tokens get their weight version: engine-side spans, or streamed marks."""
+
+    def __init__(self) -> None:
+        self.engine_side = False
+        """The installed vLLM labels outputs (set by :meth:`detect`); its label is then kept current."""
+        self.streamed = True
+        """Label tokens by streaming rather than by the engine's spans; read at every request, and at
+        every install (tests switch it to exercise the streamed path on a vLLM with labels)."""
+        self._tracker = VersionTracker()
+
+    def detect(self, engine_id: str) -> None:
+        """Choose the mode the installed vLLM supports (call once, before the engine starts)."""
+        self.engine_side = engine_labels_available()
+        self.streamed = not self.engine_side
+        logger.info("rollout engine %s: per-token weight versions from %s", engine_id,
+                    "the engine's labels" if self.engine_side else "streamed outputs (no engine labels)")
+
+    def open(self, request_id: str, version: int) -> StreamedSample | None:
+        """Start following a request submitted under ``version``; None when the engine's spans label it."""
+        return self._tracker.open(request_id, version) if self.streamed else None
+
+    def close(self, request_id: str) -> None:
+        self._tracker.close(request_id)
+
+    async def set_label(self, llm: Any, version: int) -> None:
+        """Make ``version`` the engine's label for the tokens it samples from now on (engine-side mode only)."""
+        if self.engine_side:
+            await llm.update_weight_version(str(version))
+
+    async def drain(self, llm: Any) -> bool:
+        """While paused with streamed labels: let the front end deliver the pre-pause outputs (True when it
+        did, or when nothing depends on it)."""
+        return not self.streamed or await drain_frontend(llm)
+
+    def mark_running(self, version: int) -> None:
+        """While still paused, once ``version`` is current: the running streamed samples' next tokens carry it."""
+        self._tracker.relabel_all(version)
+
+    @staticmethod
+    def span_versions(completion: Any, n_tokens: int) -> np.ndarray:
+        """One version per output token from a finished request's ``weight_versions`` spans; ValueError
+        if the spans do not cover every token."""
+        versions = np.empty(n_tokens, np.int32)
+        covered = 0
+        for span in completion.weight_versions or []:
+            versions[span.start:span.end] = int(span.version)
+            covered += span.end - span.start
+        if covered != n_tokens:
+            raise ValueError(f"engine reported weight versions for {covered} of {n_tokens} tokens")
+        return versions

@@ -1,0 +1,233 @@
+"""Group sampling on a started vLLM engine: G independent requests per prompt, retries, scoring.
+
+A group of G answers is G requests (``n=1``), each with its own request id,
+deadline, abort, retry and seed (engine seed, prompt id, sample index, attempt).
+A failed attempt (timeout, vLLM abort, error) is retried up to
+``generation.max_retries`` times; a sample that still fails, or that the
+reward function cannot score, is returned with ``finish_reason="error"`` and
+``reward=None``, never with reward 0. docs/rollout.md ("Groups") has the rules.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocol import PromptRequest, Trajectory, TrajectoryGroup
+from rollout.config import GenerationConfig
+from rollout.errors import EngineError
+from rollout.labels import VersionLabels
+from rollout.liveness import EngineDead
+from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
+from rollout.streamed import StreamedSample
+
+REWARD_WORKERS = 4
+"""Threads that run plain (non-async) reward functions; a hung one keeps its thread until it returns."""
+
+
+class SampleFailed(Exception):
+    """One sample attempt failed; the message is the reason reported if retries run out."""
+
+
+@dataclass
+class _Sample:
+    """What one finished request gave back."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: np.ndarray
+    finish_reason: str
+    text: str
+
+
+@dataclass
+class SamplingStats:
+    """Sampling counters since the engine started; ``RolloutEngine.stats()`` reports them with the install
+    counters (:class:`rollout.install.InstallStats`)."""
+
+    groups: int = 0
+    samples_ok: int = 0
+    samples_failed: int = 0
+    """Samples returned with ``finish_reason="error"`` (retries exhausted, or not scorable)."""
+    tokens_generated: int = 0
+    requests_running: int = 0
+    """Requests in the engine now."""
+    attempts_failed: int = 0
+    retries: int = 0
+    aborts: int = 0
+    """Attempts past their deadline, aborted in the engine."""
+    reward_failures: int = 0
+
+
+class GroupSampler:
+    """Samples and scores groups; ``generation``, ``reward_fn`` and ``reward_timeout_s`` are read at every call."""
+
+    def __init__(self, engine_id: str, generation: GenerationConfig, reward_fn: RewardFn, reward_timeout_s: float,
+                 labels: VersionLabels, llm: Callable[[], Any], version: Callable[[], int],
+                 dead_reason: Callable[[], str]):
+        self.engine_id = engine_id
+        self.generation = generation
+        self.reward_fn = reward_fn
+        self.reward_timeout_s = reward_timeout_s
+        self.labels = labels
+        self._llm = llm
+        """The started engine (raises if it is not started or has died)."""
+        self._version = version
+        """The version being served now (labels a new request and salts its prefix cache)."""
+        self._dead_reason = dead_reason
+        self.stats = SamplingStats()
+        self.vocab_size = 0
+        self._request_ids = itertools.count()
+        self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
+
+    def shutdown(self) -> None:
+        self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def group(self, request: PromptRequest, group_size: int) -> TrajectoryGroup:
+        """Sample ``group_size`` answers to ``request``, score them, and return the group."""
+        results = await asyncio.gather(*(self._sample_with_retries(request, i) for i in range(group_size)))
+        if any(isinstance(r, SampleFailed) for r in results) and (reason := self._dead_reason()):
+            raise EngineDead(f"rollout engine {self.engine_id}: {reason} (prompt {request.prompt_id})")
+        done = [(i, r) for i, r in enumerate(results) if isinstance(r, _Sample)]
+        scores = await score_group(self.reward_fn, [RewardInput(s.text, s.token_ids, dict(request.task))
+                                                    for _, s in done],
+                                   self.reward_timeout_s, self._reward_pool)
+        trajectories: list[Trajectory] = []
+        score_of = {i: score for (i, _), score in zip(done, scores, strict=True)}
+        for i, result in enumerate(results):
+            if isinstance(result, SampleFailed):
+                trajectories.append(_failed(str(result)))
+                self.stats.samples_failed += 1
+            elif isinstance(score := score_of[i], RewardFailure):
+                trajectories.append(_failed(f"reward: {score.reason}"))
+                self.stats.samples_failed += 1
+                self.stats.reward_failures += 1
+            else:
+                trajectories.append(Trajectory(np.asarray(result.token_ids), np.asarray(result.logprobs),
+                                               result.versions, score, result.finish_reason))
+                self.stats.samples_ok += 1
+                self.stats.tokens_generated += len(result.token_ids)
+        self.stats.groups += 1
+        return TrajectoryGroup(group_id=f"{self.engine_id}:{request.prompt_id}:{self.stats.groups}",
+                               prompt_id=request.prompt_id, prompt_ids=request.prompt_ids,
+                               trajectories=trajectories, group_size=group_size, vocab_size=self.vocab_size,
+                               scheduled_step=request.scheduled_step, engine_id=self.engine_id,
+                               created_at=time.time())
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
+        """The engine's log-prob of each response token given its prompt and the tokens before it."""
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"logprobs_of: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+
+        async def one(prompt: list[int], response: list[int]) -> np.ndarray:
+            if not prompt:
+                raise ValueError("logprobs_of: a prompt must have at least one token")
+            params = self._sampling_params(0, max_tokens=1, prompt_logprobs=0)
+            tokens = list(prompt) + list(response)
+            try:
+                out = await self._run_request(tokens, params, self.generation.request_timeout_s)
+            except SampleFailed as exc:
+                raise EngineError(f"rollout engine {self.engine_id}: logprobs_of failed: {exc}") from None
+            per_pos = out.prompt_logprobs
+            return np.array([per_pos[p][tokens[p]].logprob for p in range(len(prompt), len(tokens))],
+                            dtype=np.float32)
+        return list(await asyncio.gather(*(one(p, r) for p, r in zip(prompt_ids, response_ids, strict=True))))
+
+    def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False, **extra: Any):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        g = self.generation
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=g.temperature,
+                              top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
+                              seed=seed, output_kind=kind, **extra)
+
+    def _new_request_id(self) -> str:
+        return f"{self.engine_id}-{next(self._request_ids)}"
+
+    async def _run_request(self, token_ids: list[int], params: Any, timeout_s: float,
+                           streamed: StreamedSample | None = None, request_id: str | None = None) -> Any:
+        """Run one request to completion within ``timeout_s``; abort it in the engine otherwise.
+
+        With ``streamed`` (a DELTA request opened in the labels as ``request_id``) every output is
+        appended to it; the request leaves the labels when it ends, whatever the outcome."""
+        llm = self._llm()
+        request_id = request_id or self._new_request_id()
+        prompt: Any = {"prompt_token_ids": token_ids, "cache_salt": f"inflight-weights-v{self._version()}"}
+        final = None
+        self.stats.requests_running += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for out in llm.generate(prompt, params, request_id):
+                    if streamed is not None:
+                        try:
+                            streamed.add(out.outputs[0])
+                        except ValueError as exc:  # a streamed output without its log-probs
+                            raise SampleFailed(str(exc)) from exc
+                    final = out
+        except TimeoutError:
+            self.stats.aborts += 1
+            await llm.abort(request_id)
+            raise SampleFailed(f"timeout after {timeout_s:g}s (request aborted)") from None
+        finally:
+            self.stats.requests_running -= 1
+            if streamed is not None:
+                self.labels.close(request_id)
+        if final is None or not final.finished:
+            raise SampleFailed("the engine ended the request without a final output")
+        return final
+
+    async def _sample_once(self, request: PromptRequest, index: int, attempt: int) -> _Sample:
+        seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
+        request_id = self._new_request_id()
+        streamed = self.labels.open(request_id, self._version())
+        params = self._sampling_params(seed, stream=streamed is not None, logprobs=0)
+        try:
+            out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
+                                          streamed, request_id)
+        except (SampleFailed, EngineDead):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
+            if reason := self._dead_reason():
+                raise EngineDead(f"rollout engine {self.engine_id}: {reason}: {exc!r}") from exc
+            raise SampleFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
+        c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):
+            raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
+        if streamed is not None:
+            return _Sample(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
+                           "".join(streamed.text))
+        ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise SampleFailed(f"engine returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
+                               f"for {len(ids)} tokens")
+        lps = [c.logprobs[i][tok].logprob for i, tok in enumerate(ids)]
+        try:
+            versions = self.labels.span_versions(c, len(ids))
+        except ValueError as exc:
+            raise SampleFailed(str(exc)) from None
+        return _Sample(ids, lps, versions, c.finish_reason, c.text)
+
+    async def _sample_with_retries(self, request: PromptRequest, index: int) -> _Sample | SampleFailed:
+        failure = SampleFailed("not attempted")
+        for attempt in range(self.generation.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+            try:
+                return await self._sample_once(request, index, attempt)
+            except SampleFailed as exc:
+                self.stats.attempts_failed += 1
+                failure = exc
+        return SampleFailed(f"{failure} (after {self.generation.max_retries + 1} attempts)")
+
+
+def _failed(reason: str) -> Trajectory:
+    empty = np.zeros(0, np.int32)
+    return Trajectory(empty, np.zeros(0, np.float32), empty, None, "error", reason)

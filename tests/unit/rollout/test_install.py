@@ -1,0 +1,159 @@
+"""The install state machine (rollout.install) against a fake vLLM client: verify before touching the engine,
+pause -> install -> reset prefix cache -> label -> advance the version, always resume."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol import encode, pack_buckets
+from rollout.errors import EngineError
+from rollout.install import Installer, pause
+from rollout.labels import VersionLabels
+from rollout.weight_receiver import ExpectedParams, ParamSpec, WeightUpdateError
+
+EXPECTED = ExpectedParams({"a.weight": ParamSpec((2, 3), "float32")})
+
+
+def push(version: int, value: float = 1.0):
+    a = np.full((2, 3), value, np.float32)
+    return pack_buckets([("a.weight", "float32", (2, 3), a.view(np.uint8))], version=version, bucket_bytes=64)
+
+
+class FakeLLM:
+    """Records the engine calls of an install; ``fail`` / ``hang`` name a collective_rpc method."""
+
+    engine_core = None  # no pause_scheduler_async: the install takes pause_generation
+
+    def __init__(self, fail: str = "", hang: str = "", reset_ok: bool = True, received=None):
+        self.calls: list[str] = []
+        self.fail, self.hang, self.reset_ok, self.received = fail, hang, reset_ok, received
+        self.staged_files: list[bool] = []
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(f"pause:{mode}:{clear_cache}")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return self.reset_ok
+
+    async def update_weight_version(self, version: str):
+        self.calls.append(f"label:{version}")
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        self.calls.append(method)
+        if method == self.hang:
+            await asyncio.sleep(10)
+        if method == self.fail:
+            raise RuntimeError(f"{method} broke")
+        if method == "reload_weights":
+            self.staged_files.append((Path(kwargs["weights_path"]) / "model.safetensors").exists())
+        if method == "inflight_receive_weights":
+            return self.received
+        if method == "inflight_install_received":
+            return [{"path": "reload", "refused_reason": "plain load raised", "copy_refused_reason": ""}]
+        return [None]
+
+
+def installer(version: int = 2, engine_side: bool = True, timeout_s: float = 5.0) -> Installer:
+    labels = VersionLabels()
+    labels.engine_side, labels.streamed = engine_side, not engine_side
+    inst = Installer("t", labels, version, recompute_kv=False, in_flight=True, timeout_s=timeout_s)
+    inst.expected = EXPECTED
+    return inst
+
+
+def test_a_good_push_is_installed_in_order_and_the_version_advances():
+    inst, llm = installer(), FakeLLM()
+    assert asyncio.run(inst.install(llm, *push(3))) == 3 == inst.version
+    assert llm.calls == ["pause:keep:False", "reload_weights", "reset_prefix_cache", "label:3", "resume"]
+    assert llm.staged_files == [True]
+    assert inst.stats.refits == 1 and inst.stats.refit_bytes_last == 24 and inst.stats.refit_rejected == 0
+
+
+def test_a_bad_push_is_rejected_before_the_engine_is_touched():
+    inst, llm = installer(), FakeLLM()
+    with pytest.raises(WeightUpdateError, match="must be greater than the version being served"):
+        asyncio.run(inst.install(llm, *push(2)))
+    assert llm.calls == [] and inst.version == 2 and inst.stats.refit_rejected == 1
+    assert asyncio.run(inst.install(llm, *push(1), reset=True)) == 1  # reset skips only the version order
+
+
+def test_a_failed_install_marks_the_weights_broken_and_still_resumes_until_a_push_succeeds():
+    inst, llm = installer(), FakeLLM(fail="reload_weights")
+    with pytest.raises(WeightUpdateError, match="installing v3 failed: RuntimeError: reload_weights broke"):
+        asyncio.run(inst.install(llm, *push(3)))
+    assert llm.calls[-1] == "resume" and inst.version == 2 and inst.broken
+    with pytest.raises(EngineError, match="weights are inconsistent"):
+        inst.require_consistent()
+    llm.fail = ""
+    assert asyncio.run(inst.install(llm, *push(3))) == 3
+    assert inst.broken == "" and inst.stats.refit_rejected == 1
+    inst.require_consistent()
+
+
+def test_a_hung_step_is_named_and_bounded():
+    inst, llm = installer(timeout_s=0.05), FakeLLM(hang="reload_weights")
+    with pytest.raises(WeightUpdateError, match="reload_weights of v3 did not finish within 0.05s"):
+        asyncio.run(inst.install(llm, *push(3)))
+    assert llm.calls[-1] == "resume"
+
+
+def test_a_deferred_prefix_cache_reset_is_counted_and_streamed_labels_mark_running_samples():
+    inst, llm = installer(engine_side=False), FakeLLM(reset_ok=False)
+    running = inst.labels.open("r", 2)
+    assert running is not None
+    running.token_ids += [5, 6]
+    asyncio.run(inst.install(llm, *push(3)))
+    running.token_ids += [7]
+    assert running.versions().tolist() == [2, 2, 3]
+    assert "label:3" not in llm.calls  # streamed: no engine-side label
+    assert inst.stats.prefix_cache_reset_deferred == 1
+    assert inst.stats.version_drain_incomplete == 1  # this fake has no output queue to drain
+
+
+def test_a_group_push_is_checked_before_the_pause_and_dropped_if_rejected():
+    manifest, _ = push(3)
+    inst, llm = installer(), FakeLLM(received=[encode(manifest)])
+    assert asyncio.run(inst.install_from_group(llm, direct_load=True)) == 3
+    assert llm.calls == ["inflight_receive_weights", "pause:keep:False", "inflight_install_received",
+                         "reset_prefix_cache", "label:3", "resume"]
+    assert inst.stats.install_path_last == "reload" and inst.stats.direct_load_refused == "plain load raised"
+    other, _ = push(4, value=2.0)
+    llm = FakeLLM(received=[encode(push(4)[0]), encode(other)])
+    with pytest.raises(WeightUpdateError, match="the workers received different pushes"):
+        asyncio.run(inst.install_from_group(llm))
+    assert llm.calls == ["inflight_receive_weights", "inflight_drop_received"] and inst.version == 3
+
+
+def test_the_engine_pauses_without_pause_generations_fixed_sleep_where_labels_are_engine_side():
+    """``rollout.install.pause`` asks the engine client to pause (what ``AsyncLLM.pause_generation`` does
+    before its 20 ms sleep); with streamed labels, or where the client cannot, it takes the full
+    ``pause_generation``."""
+    calls = []
+
+    class Core:
+        async def pause_scheduler_async(self, mode, clear_cache):
+            calls.append(("core", mode, clear_cache))
+
+    class Client:
+        engine_core = Core()
+
+        async def pause_generation(self, mode, clear_cache):
+            calls.append(("generation", mode, clear_cache))
+            await asyncio.sleep(0.02)
+
+    class OldClient(Client):
+        engine_core = None
+
+    asyncio.run(pause(Client(), "keep", False, settle=False))
+    assert calls == [("core", "keep", False)]
+    asyncio.run(pause(Client(), "keep", False, settle=True))  # streamed labels: the front end must catch up
+    assert calls[-1] == ("generation", "keep", False)
+    asyncio.run(pause(OldClient(), "wait", True, settle=False))
+    assert calls[-1] == ("generation", "wait", True)
