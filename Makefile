@@ -1,20 +1,26 @@
 # Two commands matter: `make run` (set up, then run the embedded default loop)
-# and `make test` (set up, then run the test suite).
+# and `make test` (set up, lint and type-check, then run the test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-all bench clean
+.PHONY: setup run lint test test-all bench clean
+PACKAGES := protocol rollout learner services
 setup:
 	bash scripts/setup.sh
 
 run: setup
 	$(VENV)/bin/inflight run
 
-test: setup
-	$(PY) -m pytest -m "not gpu and not slow" tests
+# ruff and pyright (rule sets and their reasons: pyproject.toml); both must report nothing.
+lint: setup
+	$(VENV)/bin/ruff check $(PACKAGES)
+	$(VENV)/bin/pyright $(PACKAGES)
+
+test: setup lint
+	$(PY) -m pytest -m "not gpu and not slow" --durations=30 tests
 
 test-all: setup
 	$(PY) -m pytest tests

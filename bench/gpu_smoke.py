@@ -6,7 +6,7 @@ learner is built from the same random-init Qwen2 (bf16). Steps:
 
 1. a group generation on the engine (``enforce_eager=False``: torch.compile + CUDA graphs);
 2. ``Learner.train_step`` on a few groups, then ``export_weights`` as v1;
-3. an in-flight ``apply_weights`` of v1 while groups are running: every sample
+3. an in-flight ``install`` of v1 while groups are running: every sample
    must finish, with versions in {0, v1}, non-decreasing, and some samples split;
 4. parity: the engine's ``logprobs_of`` vs ``Learner.logprobs`` on the v1 weights.
 
@@ -80,7 +80,7 @@ async def run(args) -> dict:
     while engine.stats()["requests_running"] < len(requests) * args.group_size:
         await asyncio.sleep(0.005)
     await asyncio.sleep(args.update_after_s)
-    version = await engine.apply_weights(manifest, buckets)
+    version = await engine.install(manifest, buckets)
     inflight = await asyncio.gather(*tasks)
     stats = engine.stats()
     trajs = [t for g in inflight for t in g.trajectories]

@@ -69,16 +69,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-    from transformers import AutoTokenizer
 
     from protocol import TrajectoryGroup, decode, encode
-    from rollout.tasks import make_prompts
     from services import pool as pool_api
     from services import ray_runtime
     from services.app import deploy_pool
     from services.channel import ChannelTimeout, TrajectoryChannel
     from services.config import load_recipe
-    from services.data import PromptSource
+    from services.job.prompt_source import PromptSource
     from services.model_source import resolve_model
 
     os.environ.setdefault("INFLIGHT_ADMIN_TOKEN", "soak-admin-token")
@@ -96,8 +94,7 @@ def main() -> None:
         channel_pid = ray.get(channel.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
         model_path = resolve_model(recipe.policy.model_name)
         g = recipe.grpo
-        source = PromptSource(make_prompts(recipe.env.task, AutoTokenizer.from_pretrained(model_path),
-                                           recipe.env.num_prompts, g.seed), g.seed)
+        source = PromptSource.of_task(recipe, model_path)
 
         def submit(n: int) -> None:
             handle.submit.remote([encode(r) for r in source.next(n, 1)], g.num_generations_per_prompt).result(

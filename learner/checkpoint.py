@@ -31,24 +31,30 @@ def rank_file(path: str | Path, rank: int) -> Path:
     return Path(path) / f"rank_{rank:05d}.pt"
 
 
-def capture_rng() -> dict:
-    """RNG states of python, numpy, torch and Megatron's model-parallel tracker."""
+def _rng_tracker():
+    """Megatron's model-parallel RNG tracker (set up by :func:`learner.model.init_distributed`)."""
     from megatron.core import tensor_parallel
 
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker is None:
+        raise RuntimeError("Megatron's RNG tracker is not initialised: call learner.model.init_distributed first")
+    return tracker
+
+
+def capture_rng() -> dict:
+    """RNG states of python, numpy, torch and Megatron's model-parallel tracker."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+             "tracker": _rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def restore_rng(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    _rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

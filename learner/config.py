@@ -13,25 +13,25 @@ from protocol.config_base import ConfigModel
 class OptimizerConfig(ConfigModel):
     """``policy.megatron_cfg.optimizer``: AdamW through Megatron-Core's optimizer."""
 
-    lr: float = Field(1e-6, gt=0.0, le=1.0)
+    lr: float = Field(default=1e-6, gt=0.0, le=1.0)
     """Peak learning rate."""
-    min_lr: float = Field(0.0, ge=0.0)
+    min_lr: float = Field(default=0.0, ge=0.0)
     """Learning rate at the end of the decay."""
-    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.01, ge=0.0, le=1.0)
     """Decoupled weight decay."""
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     """Adam beta1."""
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
     """Adam beta2."""
-    adam_eps: float = Field(1e-8, gt=0.0, le=1e-2)
+    adam_eps: float = Field(default=1e-8, gt=0.0, le=1e-2)
     """Adam epsilon."""
-    clip_grad: float = Field(1.0, gt=0.0)
+    clip_grad: float = Field(default=1.0, gt=0.0)
     """Global gradient-norm clip."""
-    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
-    lr_decay_steps: int | None = Field(None, ge=1)
+    lr_decay_steps: int | None = Field(default=None, ge=1)
     """Steps over which the rate decays to ``min_lr`` (warm-up included); a recipe that leaves it out gets
     ``grpo.max_num_steps`` at load. Must exceed ``lr_warmup_steps`` for a linear or cosine schedule."""
     use_distributed_optimizer: bool = True
@@ -47,11 +47,11 @@ class OptimizerConfig(ConfigModel):
 class MegatronConfig(ConfigModel):
     """``policy.megatron_cfg``: Megatron-Core parallelism and training settings."""
 
-    tensor_model_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_model_parallel_size: int = Field(default=1, ge=1, le=64)
     """Tensor parallelism of the learner."""
-    expert_model_parallel_size: int = Field(1, ge=1, le=256)
+    expert_model_parallel_size: int = Field(default=1, ge=1, le=256)
     """Expert parallelism of the learner (MoE models)."""
-    pipeline_model_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_model_parallel_size: int = Field(default=1, ge=1, le=64)
     """Pipeline parallelism of the learner (only 1 is supported so far)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass (saves memory, costs time)."""
@@ -72,22 +72,22 @@ class SequencePackingConfig(ConfigModel):
 
     enabled: bool = True
     """Pack several sequences into one micro-batch row."""
-    train_mb_tokens: int = Field(10240, ge=16)
+    train_mb_tokens: int = Field(default=10240, ge=16)
     """Token budget of one packed micro-batch."""
 
 
 class LossConfig(ConfigModel):
     """``loss_fn``: GRPO clipped surrogate with importance-sampling correction."""
 
-    ratio_clip_min: float = Field(0.2, ge=0.0, le=1.0)
+    ratio_clip_min: float = Field(default=0.2, ge=0.0, le=1.0)
     """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
-    ratio_clip_max: float = Field(0.28, ge=0.0, le=10.0)
+    ratio_clip_max: float = Field(default=0.28, ge=0.0, le=10.0)
     """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max."""
     use_importance_sampling_correction: bool = True
     """Multiply by w = min(pi_prev / pi_gen, c) to correct for the engine's behaviour policy."""
-    truncated_importance_sampling_ratio: float = Field(2.0, gt=0.0)
+    truncated_importance_sampling_ratio: float = Field(default=2.0, gt=0.0)
     """c, the truncation of the importance weight."""
     truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
     """tis: w = min(ratio, c). icepop: w = ratio inside [1/c, c], 0 outside (token masked)."""
-    reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
+    reference_policy_kl_penalty: float = Field(default=0.0, ge=0.0)
     """Weight of the k3 KL to the reference (initial) policy; 0 disables the reference model."""

@@ -1,26 +1,15 @@
 """Run Megatron-Core 0.16.1 (local layer spec, no Transformer Engine) on a CPU-only torch.
 
-Megatron-Core assumes CUDA in four places that matter for the local spec
-(measured, design.md §6):
+:func:`apply_if_no_gpu` patches, once and only when no GPU is present, the four
+places Megatron assumes CUDA: ``torch.cuda.current_device`` (the CPU device),
+the CUDA RNG and Megatron's RNG tracker (the CPU generator),
+``get_default_causal_mask`` (a CPU version) and ``synchronize`` /
+``empty_cache`` (no-ops). Importing this module changes nothing.
 
-1. ``torch.cuda.current_device()`` is used as the device of ~40 buffers
-   (RoPE frequencies, tensor-parallel all-gather buffers, ...): it is made to
-   return the CPU device, which turns those ``.to(...)`` calls into no-ops.
-2. The CUDA RNG: ``model_parallel_cuda_manual_seed`` and the RNG-state tracker
-   that attention forks on every forward call ``torch.cuda.manual_seed`` /
-   ``get_rng_state``; they are mapped onto the CPU generator.
-3. ``get_default_causal_mask`` hard-codes ``device="cuda"``; it is replaced by
-   a CPU version with the same semantics (True = masked).
-4. ``torch.cuda.synchronize`` / ``empty_cache`` become no-ops.
-
-:func:`apply_if_no_gpu` applies these process-wide patches explicitly, once,
-and only when no GPU is present — importing this module changes nothing.
-
-Megatron's optimizers (FP32, Float16, DistributedOptimizer) additionally
-allocate with ``device="cuda"``, call ``Tensor.cuda()`` and check
-``param.type() == "torch.cuda.FloatTensor"``. :func:`device_redirect` returns a
-``TorchFunctionMode`` that rewrites those to the CPU for the duration of an
-optimizer call, and a no-op context on a GPU, so the caller has one code path.
+:func:`device_redirect` is the ``TorchFunctionMode`` that Megatron's optimizer
+calls run in: ``device="cuda"`` → CPU, ``Tensor.cuda()`` a no-op, CUDA tensor
+types reported; a no-op context on a GPU, so the caller has one code path.
+Details: docs/learner.md, "CPU compatibility".
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
 """Hugging Face safetensors ⇄ Megatron-Core ``GPTModel`` (local spec) weights.
 
-Import (:func:`load_hf_weights`): every Megatron parameter of this rank is
-built from the HF tensors it covers, already sliced for this rank:
+Import (:func:`load_hf_weights`): every Megatron parameter of this rank is built
+from the HF tensors it covers, already sliced for its tensor- and
+expert-parallel rank (``linear_qkv`` fused per query group, ``linear_fc1`` as
+``[gate_r; up_r]``, experts whole on one EP rank).
 
-* ``linear_qkv`` fuses q/k/v **per query group**: for each of the
-  ``num_key_value_heads`` groups, its ``heads/groups`` query heads, then its
-  key head, then its value head (rows of ``head_dim``). Tensor parallelism
-  splits the groups, so rank r holds groups ``[r·G/T, (r+1)·G/T)``.
-* ``linear_fc1`` of a SwiGLU MLP is ``[gate_r; up_r]`` — each TP rank holds
-  its slice of gate followed by its slice of up.
-* column-parallel weights (embedding, lm head, qkv, fc1) split rows,
-  row-parallel ones (``linear_proj``, ``linear_fc2``) split columns; norms
-  and the MoE router are replicated.
-* MoE experts are whole on one expert-parallel rank: local expert j of EP
-  rank e is global expert ``e·(E/EP) + j``.
-
-Export (:func:`export_hf_state_dict`): a collective over the TP and EP
-groups that gathers every parameter, undoes the fusions and, on global
-rank 0, returns the tensors under the exact names, dtypes and shapes of the
-source checkpoint (:class:`HFTensorMeta`), in its order. :func:`pack_hf_buckets`
-cuts them into ``protocol`` weight buckets; :func:`save_hf` writes a
-loadable HF directory.
+Export (:func:`export_hf_state_dict`): a collective over the TP and EP groups
+that gathers every parameter, undoes the fusions and, on global rank 0, returns
+the source checkpoint's names, dtypes and shapes (:class:`HFTensorMeta`) in its
+order. :func:`pack_hf_buckets` cuts them into ``protocol`` weight buckets;
+:func:`save_hf` writes a loadable HF directory. The name and layout table:
+docs/learner.md, "Weight mapping".
 """
 from __future__ import annotations
 
@@ -152,7 +142,7 @@ def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str]
         return hf(p + "mlp.gate.weight")
     m = _EXPERT.match(rest)
     if m:
-        expert = lay.ep_rank * (arch.num_experts // lay.ep_size) + int(m.group(1))
+        expert = lay.ep_rank * arch.experts_per_rank(lay.ep_size) + int(m.group(1))
         e = f"{p}mlp.experts.{expert}."
         if m.group(2) == "linear_fc1":
             return torch.cat([hf(e + "gate_proj.weight"), hf(e + "up_proj.weight")])
@@ -283,7 +273,7 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
         em = _LAYER.match(name)
         local_expert = _EXPERT.match(em.group(2)) if em else None
         if local_expert:
-            per_rank = arch.num_experts // lay.ep_size
+            per_rank = arch.experts_per_rank(lay.ep_size)
             for ep_rank, whole in enumerate(_all_gather(param.detach(), ep_group)):
                 expert = ep_rank * per_rank + int(local_expert.group(1))
                 if is_root:

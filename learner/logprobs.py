@@ -43,9 +43,9 @@ def response_logprobs_no_grad(model: torch.nn.Module, micro_batches: list[MicroB
     result: list[torch.Tensor | None] = [None] * num_sequences
     for mb in micro_batches:
         lp = token_logprobs(model, mb)
-        for seg, sl in zip(mb.segments, response_slices(mb, prompt_lengths)):
+        for seg, sl in zip(mb.segments, response_slices(mb, prompt_lengths), strict=True):
             result[seg.index] = lp[sl].detach().cpu()
     missing = [i for i, r in enumerate(result) if r is None]
     if missing:
         raise ValueError(f"sequences {missing[:5]} are in no micro-batch")
-    return result  # type: ignore[return-value]
+    return [r for r in result if r is not None]  # all present (checked above)

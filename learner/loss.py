@@ -1,37 +1,16 @@
 """The GRPO loss, its advantages and its metrics.
 
-Advantages (per group of answers to one prompt, failed samples excluded)::
+:func:`group_advantages`: group-relative advantages (sample std, or the mean
+difference alone); an all-equal group has exactly zero advantages and is
+counted. :func:`per_token_loss`: the clipped surrogate with the ``tis`` /
+``icepop`` importance weight (no gradient) and the k3 KL penalty, per response
+token; the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
+the **global** batch, so micro-batch gradients add up to one masked mean.
+:class:`LossStats` accumulates the metrics (``gen_kl_error``,
+``policy_kl_error``, ``token_mult_prob_error``, ratios, IS weights) and
+all-reduces them over data-parallel ranks.
 
-    A_i = (r_i - mean(r)) / (std(r) + 1e-6)     # std: sample std (Bessel), as NeMo-RL
-    A_i = r_i - mean(r)                         # normalize_rewards=False
-
-A group whose rewards are all equal (or that has a single valid answer) has
-no learning signal: its advantages are exactly 0 and it is counted in
-``zero_advantage_groups``.
-
-Per response token t, with ρ = π_θ/π_prev = exp(lp_θ − lp_prev)::
-
-    surrogate_t = min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
-    w_t         = min(π_prev/π_gen, c)                  # "tis"
-                = π_prev/π_gen if 1/c ≤ it ≤ c else 0   # "icepop"
-                = 1                                     # correction off
-    kl_t        = exp(lp_ref − lp_θ) − (lp_ref − lp_θ) − 1   # k3 estimate of KL(π_θ‖π_ref)
-    loss_t      = −w_t·surrogate_t + β·kl_t
-
-and the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
-the **global** batch (N counted over all micro-batches and data-parallel
-ranks), so each micro-batch contributes ``Σ_{t∈mb} loss_t / N`` and the
-gradients add up to those of one global masked mean. w is a constant
-(no gradient).
-
-Metrics (masked means over the same tokens; k3(p→q) = exp(q − p) − (q − p) − 1
-with p the log-prob of the policy the token was sampled from):
-
-* ``gen_kl_error``   = mean k3(lp_gen → lp_prev), estimates KL(π_gen‖π_prev);
-* ``policy_kl_error`` = mean k3(lp_prev → lp_θ), estimates KL(π_prev‖π_θ)
-  (π_θ from the training forward, before the update);
-* ``token_mult_prob_error`` = mean exp(|lp_prev − lp_gen|) (NeMo-RL), 1 when equal;
-* ``probs_ratio_{mean,min,max}`` of ρ; ``is_weight_{mean,max}`` of w.
+The formulas and the metric table: docs/learner.md, "The loss" and "Metrics".
 """
 from __future__ import annotations
 
@@ -141,9 +120,9 @@ class LossStats:
         dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
         self.tokens, self.loss = int(sums[-2]), float(sums[-1])
-        self.sums = {k: float(v) for k, v in zip(keys, sums[:-2])}
-        self.mins = {k: float(v) for k, v in zip(keys, mins) if v != float("inf")}
-        self.maxs = {k: float(v) for k, v in zip(keys, maxs) if v != float("-inf")}
+        self.sums = {k: float(v) for k, v in zip(keys, sums[:-2], strict=True)}
+        self.mins = {k: float(v) for k, v in zip(keys, mins, strict=True) if v != float("inf")}
+        self.maxs = {k: float(v) for k, v in zip(keys, maxs, strict=True) if v != float("-inf")}
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1)

@@ -1,24 +1,15 @@
 """Build a Megatron-Core ``GPTModel`` from a Hugging Face ``config.json``.
 
-Supported architectures (local layer spec, no Transformer Engine):
+Supported: ``qwen2``, ``llama`` and ``qwen3_moe`` (local layer spec, no
+Transformer Engine). The HF fields are read into :class:`HFArchitecture`,
+turned into a ``TransformerConfig`` that honours
+:class:`~learner.config.MegatronConfig` (TP/EP, recompute, precision; dropout 0
+and every fusion off, so CPU and GPU run the same semantics), and the model is
+built on the current device.
 
-* ``qwen2``   — RMSNorm, RoPE, GQA with a bias on q/k/v, SwiGLU MLP;
-* ``llama``   — the same without the q/k/v bias;
-* ``qwen3_moe`` — no q/k/v bias, per-head RMSNorm on q and k, and a
-  top-k softmax-routed mixture of SwiGLU experts in every layer (Megatron's
-  ``MoELayer`` with ``SequentialMLP`` experts, sharded over expert-parallel ranks).
-
-The HF fields are read into a small :class:`HFArchitecture` record, turned into
-a ``TransformerConfig`` that honours :class:`~learner.config.MegatronConfig`
-(tensor/expert parallelism, recompute for activation checkpointing, precision),
-and the model is built on the current device. Dropout is 0 and every fusion
-is off so CPU and GPU run the same kernels' semantics.
-
-Process-global state is explicit: :func:`init_distributed` initialises
-``torch.distributed`` (gloo on CPU, NCCL on GPU) and Megatron's parallel state
-once, and is a no-op when they already exist. Experts are never split by
-tensor parallelism (``expert_tensor_parallel_size=1``): each expert lives
-whole on one expert-parallel rank.
+:func:`init_distributed` sets up ``torch.distributed`` (gloo on CPU, NCCL on
+GPU) and Megatron's parallel state once per process. The field-by-field mapping:
+docs/learner.md, "Model building".
 """
 from __future__ import annotations
 
@@ -28,11 +19,16 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
 
 from learner.config import MegatronConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3_moe")
 DIST_INIT_TIMEOUT_S = 300.0
@@ -64,6 +60,12 @@ class HFArchitecture:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def experts_per_rank(self, ep_size: int) -> int:
+        """Experts held whole by one of ``ep_size`` expert-parallel ranks (MoE architectures only)."""
+        if self.num_experts is None:
+            raise ValueError(f"model_type {self.model_type!r} is dense: it has no experts to place")
+        return self.num_experts // ep_size
 
 
 def read_hf_architecture(model_path: str | os.PathLike) -> HFArchitecture:
@@ -157,7 +159,52 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def transformer_config(arch: HFArchitecture, megatron: MegatronConfig):
+class _RecomputeOptions(TypedDict, total=False):
+    recompute_granularity: Literal["full", "selective"]
+    recompute_method: Literal["uniform", "block"]
+    recompute_num_layers: int
+
+
+class _MoEOptions(TypedDict, total=False):
+    num_moe_experts: int
+    moe_router_topk: int
+    moe_ffn_hidden_size: int
+    moe_router_pre_softmax: bool
+    moe_router_score_function: Literal["softmax", "sigmoid"]
+    moe_router_load_balancing_type: str
+    moe_aux_loss_coeff: float
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"]
+    moe_grouped_gemm: bool
+    moe_permute_fusion: bool
+    moe_router_dtype: Literal["fp32", "fp64"]
+
+
+def _recompute_options(megatron: MegatronConfig) -> _RecomputeOptions:
+    """Full-layer activation recompute when ``activation_checkpointing`` is on; Megatron's defaults otherwise."""
+    if not megatron.activation_checkpointing:
+        return {}
+    return _RecomputeOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _moe_options(arch: HFArchitecture, megatron: MegatronConfig) -> _MoEOptions:
+    """The mixture-of-experts fields for an MoE ``arch``; nothing (Megatron's dense defaults) otherwise."""
+    if arch.num_experts is None:
+        return {}
+    ep = megatron.expert_model_parallel_size
+    if arch.num_experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={arch.num_experts}")
+    # norm_topk_prob: softmax over the top-k logits == softmax, top-k, renormalise (HF).
+    return _MoEOptions(
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_router_pre_softmax=not arch.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        # alltoall (faster at large EP) allocates CUDA streams; allgather runs anywhere.
+        moe_token_dispatcher_type="alltoall" if ep > 1 and torch.cuda.is_available() else "allgather",
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_dtype="fp32")
+
+
+def transformer_config(arch: HFArchitecture, megatron: MegatronConfig) -> TransformerConfig:
     """The ``TransformerConfig`` for ``arch`` under the parallel/precision settings of ``megatron``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -167,7 +214,7 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig):
     if arch.num_key_value_heads % tp or arch.num_attention_heads % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide num_attention_heads="
                          f"{arch.num_attention_heads} and num_key_value_heads={arch.num_key_value_heads}")
-    kwargs = dict(
+    return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
         ffn_hidden_size=arch.intermediate_size, normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
@@ -180,23 +227,8 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig):
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        **_recompute_options(megatron), **_moe_options(arch, megatron),
     )
-    if megatron.activation_checkpointing:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if arch.is_moe:
-        if arch.num_experts % megatron.expert_model_parallel_size:
-            raise ValueError(f"expert_model_parallel_size={megatron.expert_model_parallel_size} must divide "
-                             f"num_experts={arch.num_experts}")
-        # norm_topk_prob: softmax over the top-k logits == softmax, top-k, renormalise (HF).
-        kwargs.update(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
-                      moe_ffn_hidden_size=arch.moe_intermediate_size,
-                      moe_router_pre_softmax=not arch.norm_topk_prob, moe_router_score_function="softmax",
-                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                      # alltoall (faster at large EP) allocates CUDA streams; allgather runs anywhere.
-                      moe_token_dispatcher_type="alltoall" if megatron.expert_model_parallel_size > 1
-                      and torch.cuda.is_available() else "allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
-                      moe_router_dtype="fp32")
-    return TransformerConfig(**kwargs)
 
 
 def define_missing_te_symbols() -> None:
@@ -209,7 +241,7 @@ def define_missing_te_symbols() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig):
+def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig) -> tuple[GPTModel, TransformerConfig]:
     """A Megatron ``GPTModel`` (random init) for ``arch``; weights come from :mod:`learner.hf_weights`.
 
     Returns ``(model, config)``. In bf16 the caller wraps it in ``Float16Module``."""

@@ -17,14 +17,22 @@ which is the CPU redirection on a CPU-only machine and nothing on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.config import OptimizerConfig
 from learner.cpu_compat import device_redirect
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool):
+
+def wrap_ddp(model: torch.nn.Module, config: TransformerConfig,
+             use_distributed_optimizer: bool) -> DistributedDataParallel:
     """Megatron DDP around ``model`` (no overlap: one synchronous reduction per step)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -38,13 +46,14 @@ def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool):
 class OptimizerStack:
     """The Megatron optimizer and its LR scheduler."""
 
-    optimizer: object
-    scheduler: object
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
 
     def step(self) -> tuple[bool, float]:
         """Apply one update; returns (applied, grad_norm before clipping)."""
         with device_redirect():
-            applied, grad_norm, _ = self.optimizer.step()
+            # MegatronOptimizer.step is an unannotated abstract `pass`; the concrete ones return a 3-tuple
+            applied, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]
         if applied:
             self.scheduler.step(increment=1)
         return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
@@ -74,12 +83,12 @@ class OptimizerStack:
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         if len(chained) != len(state["optimizers"]):
             raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this learner {len(chained)}")
-        for opt, saved in zip(chained, state["optimizers"]):
+        for opt, saved in zip(chained, state["optimizers"], strict=True):
             params = [p for g in opt.optimizer.param_groups for p in g["params"]]
             if len(params) != len(saved["params"]):
                 raise ValueError(f"checkpoint optimizer has {len(saved['params'])} parameters, "
                                  f"this learner {len(params)}")
-            for p, v in zip(params, saved["params"]):
+            for p, v in zip(params, saved["params"], strict=True):
                 p.copy_(v)
             opt.optimizer.load_state_dict(saved["torch_state"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -99,11 +108,14 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerSta
         use_distributed_optimizer=cfg.use_distributed_optimizer)
     with device_redirect():
         optimizer = get_megatron_optimizer(mcfg, [ddp_model])
-    if cfg.lr_decay_style != "constant" and cfg.lr_decay_steps is None:
+    if cfg.lr_decay_style == "constant":
+        # a constant rate ignores the decay span; Megatron only needs it past the warm-up
+        decay_steps = cfg.lr_warmup_steps + 1
+    elif cfg.lr_decay_steps is None:
         raise ValueError(f"lr_decay_steps: required for lr_decay_style={cfg.lr_decay_style!r} (a recipe sets it "
                          f"to grpo.max_num_steps when left out)")
-    # a constant rate ignores the decay span; Megatron only needs it past the warm-up
-    decay_steps = cfg.lr_warmup_steps + 1 if cfg.lr_decay_style == "constant" else cfg.lr_decay_steps
+    else:
+        decay_steps = cfg.lr_decay_steps
     if cfg.lr_warmup_steps >= decay_steps:
         raise ValueError(f"lr_warmup_steps ({cfg.lr_warmup_steps}) must be < lr_decay_steps ({decay_steps})")
     scheduler = OptimizerParamScheduler(

@@ -1,29 +1,15 @@
-r"""Sequence packing: first-fit-decreasing into token-budgeted micro-batches.
+"""Sequence packing: first-fit-decreasing into token-budgeted micro-batches.
 
-Sequences (prompt + response token ids) are sorted longest first and each is
-put into the first micro-batch that still has room for it under
-``train_mb_tokens``; a new micro-batch is opened when none has. A micro-batch
-is one row: its sequences are laid end to end, position ids restart at 0 for
-each sequence, and a block-diagonal causal mask ``[1, 1, T, T]`` (True =
-masked) stops attention across sequence boundaries — with Megatron's local
-layer spec this gives the same log-probs as running each sequence alone
-(design.md §6: to 5e-7). The same dense mask is used on GPU: Megatron's THD
-``PackedSeqParams`` path needs Transformer Engine, and the local spec's
-``DotProductAttention`` takes only a dense mask (no flex-attention hook).
+:func:`pack` lays sequences (prompt + response ids, longest first) end to end
+into rows of at most ``train_mb_tokens``, position ids restarting per sequence
+and a block-diagonal causal mask ``[1, 1, T, T]`` (True = masked), which gives
+the log-probs of running each sequence alone; it also returns the fill ratio.
 
-The fill ratio (tokens / (micro-batches × budget)) says how much of the
-budget carries real tokens.
-
-:func:`deal` hands the micro-batches to data-parallel ranks round-robin
-(rank d trains d, d+DP, …). With expert parallelism every rank of an
-expert-parallel group must run the same number of MoE forwards/backwards with
-the same token count (Megatron's ``allgather`` token dispatcher gathers equal
-shapes), so ``equal_shapes`` pads: the list to a multiple of DP with
-all-padding micro-batches, and every micro-batch of a round (micro-batches
-kDP … kDP+DP−1) to the round's longest. Padding is a block of
-``PAD_TOKEN``\ s at the end of the row that attends only to itself and
-belongs to no segment, so it changes no response log-prob and adds nothing to
-the loss or the token count.
+:func:`deal` hands micro-batches to data-parallel ranks round-robin (rank d
+trains d, d+DP, …); with ``equal_shapes`` (expert parallelism) it pads every
+round to equal counts and widths with ``PAD_TOKEN`` blocks that change no
+log-prob and add no loss. Why the dense mask on GPU, and the padding's cost:
+docs/learner.md, "Packing".
 """
 from __future__ import annotations
 

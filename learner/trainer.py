@@ -1,29 +1,15 @@
 """The learner: one GRPO optimizer step per call on a global batch of trajectory groups.
 
-A step, as :meth:`Learner.train_step` runs it:
+:meth:`Learner.train_step` keeps the valid samples and their group-relative
+advantages, packs them into micro-batches dealt over data-parallel ranks, runs
+forward/backward of ``Σ loss_t / N`` per micro-batch (π_prev is that same
+forward, detached; π_ref from a frozen copy when the KL penalty is on), and
+applies one Megatron optimizer step only if the loss and every gradient are
+finite; otherwise the step is skipped and nothing changes.
 
-1. keep the valid samples (``finish_reason != "error"``) of every group and
-   compute their group-relative advantages (:mod:`learner.loss`);
-2. pack prompt+response sequences first-fit-decreasing into micro-batches of
-   at most ``train_mb_tokens`` (:mod:`learner.packing`); data-parallel rank d
-   takes micro-batches d, d+DP, …; with expert parallelism (EP > 1) the share
-   is padded so that every rank runs as many micro-batches of the same token
-   counts as the others (:func:`learner.packing.deal`; an all-padding
-   micro-batch runs forward and backward for the MoE collectives and adds no
-   loss);
-3. π_ref through the frozen reference copy when the KL penalty is on;
-4. forward/backward per micro-batch of Σ loss_t / N, N = the global number of
-   valid response tokens (all-reduced over data-parallel ranks). π_prev is
-   that same forward, detached: the batch is one optimizer step, so every
-   forward of the step sees the weights the step started from (a separate
-   no-grad pass gives the same numbers and costs a third of the step);
-5. if the loss and every gradient are finite, one Megatron optimizer step
-   (clip, AdamW, LR schedule) and ``policy_version += 1``; otherwise the step
-   is skipped, weights and optimizer state untouched, ``step_skipped = 1``.
-
-The learner runs one process per rank (Ray actors in production, spawned
-processes in tests); every method that touches weights is collective over
-the ranks of the model.
+One process per rank (Ray actors in production, spawned processes in tests);
+every method that touches weights is collective over the model's ranks. The
+step in detail: docs/learner.md, "A step" and "The loss".
 """
 from __future__ import annotations
 
@@ -31,6 +17,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,11 +29,21 @@ from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_bu
 from learner.logprobs import response_logprobs_no_grad, response_slices, token_logprobs
 from learner.loss import LossStats, TokenInputs, group_advantages, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
-from learner.optimizer import build_optimizer, wrap_ddp
+from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
 from learner.packing import MicroBatch, deal, pack
-from protocol.messages import TrajectoryGroup, WeightBucket, WeightManifest
+from protocol.messages import Trajectory, TrajectoryGroup, WeightBucket, WeightManifest
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
 
 log = logging.getLogger(__name__)
+
+
+def _reward(t: Trajectory) -> float:
+    if t.reward is None:
+        raise ValueError("a valid trajectory (finish_reason != 'error') must carry a reward, got None")
+    return float(t.reward)
 
 
 @dataclass
@@ -72,6 +69,14 @@ class StepBatch:
 
 class Learner:
     """GRPO learner on Megatron-Core; see the module docstring for what a step does."""
+
+    gpt: GPTModel
+    """The Megatron model (unwrapped): its parameters are the policy's weights."""
+    model: DistributedDataParallel
+    """``gpt`` in the precision wrapper and Megatron DDP: what the step trains."""
+    optim: OptimizerStack
+    reference: torch.nn.Module | None
+    """The frozen initial policy for the KL penalty (None when the penalty is off)."""
 
     def __init__(self, model_path: str, megatron: MegatronConfig, loss: LossConfig, packing: SequencePackingConfig,
                  max_total_sequence_length: int, normalize_rewards: bool = True, seed: int = 42):
@@ -139,14 +144,15 @@ class Learner:
             failed += len(g.trajectories) - len(valid)
             if not valid:
                 continue
-            advantages, no_signal = group_advantages([float(t.reward) for t in valid], self.normalize_rewards)
+            group_rewards = [_reward(t) for t in valid]
+            advantages, no_signal = group_advantages(group_rewards, self.normalize_rewards)
             zero_groups += int(no_signal)
             prompt = np.asarray(g.prompt_ids, dtype=np.int64)
             if prompt.size < 1 or prompt.size >= limit:
                 raise ValueError(f"group {g.group_id}: prompt has {prompt.size} tokens, must be in "
                                  f"[1, max_total_sequence_length={limit})")
-            for t, adv in zip(valid, advantages):
-                rewards.append(float(t.reward))
+            for t, reward, adv in zip(valid, group_rewards, advantages, strict=True):
+                rewards.append(reward)
                 room = limit - prompt.size
                 resp, lp_gen = t.response_ids[:room], t.logprobs[:room]
                 truncated += int(resp.size < t.response_ids.size)
@@ -248,7 +254,7 @@ class Learner:
         with torch.no_grad():
             for mb in micro_batches:
                 lp = token_logprobs(model, mb)
-                for seg, sl in zip(mb.segments, response_slices(mb, prompt_lens)):
+                for seg, sl in zip(mb.segments, response_slices(mb, prompt_lens), strict=True):
                     out[seg.index] = lp[sl]
         return out
 
@@ -263,7 +269,8 @@ class Learner:
 
     def _any_nonfinite_grad(self) -> bool:
         bad = torch.zeros(1, device=self.device)
-        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+        # DDP's `buffers` list shadows nn.Module.buffers(), which is what the stubs see
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:  # pyright: ignore[reportOperatorIssue]
             if not torch.isfinite(buf.grad_data).all():
                 bad.fill_(1.0)
                 break
@@ -277,7 +284,7 @@ class Learner:
         if len(prompt_ids) != len(response_ids):
             raise ValueError(f"prompt_ids has {len(prompt_ids)} entries, response_ids {len(response_ids)}")
         seqs = [np.concatenate([np.asarray(p, np.int64), np.asarray(r, np.int64)])
-                for p, r in zip(prompt_ids, response_ids)]
+                for p, r in zip(prompt_ids, response_ids, strict=True)]
         budget = max(self.packing.train_mb_tokens, max((s.size for s in seqs), default=1))
         micro_batches, _ = pack(seqs, budget, self.packing.enabled)
         self.model.eval()
@@ -331,4 +338,5 @@ class Learner:
     def shutdown(self) -> None:
         """Release the model, optimizer and reference copy. The process group stays (see
         :func:`learner.model.shutdown_distributed` for the process-wide teardown)."""
-        self.model = self.optim = self.reference = self.gpt = None  # type: ignore[assignment]
+        # a shut-down learner is dead: every later call fails on None
+        self.model = self.optim = self.reference = self.gpt = None  # pyright: ignore[reportAttributeAccessIssue]

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from services import pool as pool_api
 from services import ray_runtime
-from services.learner_actor import LearnerGroup
+from services.config import Recipe
+from services.job.learner_actor import LearnerGroup
 from services.model_source import resolve_model
 
 
-def admin_token(recipe, run_dir: Path | None = None) -> str:
+def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
     """The bearer token for admin endpoints: from the environment, else a new one saved (0600) in run_dir."""
     token = os.environ.get(recipe.rollout_pool.admin_token_env)
     if token:
@@ -32,16 +33,16 @@ def admin_token(recipe, run_dir: Path | None = None) -> str:
     return token
 
 
-def deploy_pool(recipe, run_dir: Path | None = None) -> dict:
+def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
     model_path = resolve_model(recipe.policy.model_name)
     return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # raises PoolStartError if not ready
 
 
-def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
+def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
     """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file."""
-    from services.job import LearnerJob
-    from services.loop_async import run_async
-    from services.loop_sync import run_sync
+    from services.job.learner_job import LearnerJob
+    from services.job.loop_async import run_async
+    from services.job.loop_sync import run_sync
 
     model_path = resolve_model(recipe.policy.model_name)
     handle = pool_api.connect(pool_name)
@@ -56,7 +57,7 @@ def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> P
         mode = "async 1-off" if recipe.grpo.async_grpo.enabled else "sync"
         print("\nStep-time breakdown (means over warm steps):\n" + job.log.timing_table(mode))
         print("\nFunctional validation:\n" + job.log.validation_table(mode))
-        print(f"\nledger: {job.ledger.summary()}")
+        print(f"\nledger: {job.book.ledger.summary()}")
         print(f"metrics: {job.log.path}")
         try:
             print(f"reward curve: {job.log.plot_rewards()}")
@@ -68,7 +69,7 @@ def run_learner(recipe, pool_name: str, run_dir: Path, resume: bool = True) -> P
         learner.shutdown()
 
 
-def run_embedded(recipe, run_dir: Path) -> Path:
+def run_embedded(recipe: Recipe, run_dir: Path) -> Path:
     """``inflight run``: local Ray + pool + learner on this machine, torn down at the end."""
     ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:

@@ -1,27 +1,16 @@
 """The trajectory channel: pool engines -> learner job, as protocol bytes.
 
-Transport: a small async queue actor holding msgpack-encoded
-:class:`protocol.TrajectoryGroup` bytes, passed by value: a sender enqueues
-the bytes, the reader dequeues them one message at a time. Chosen by
-measurement (docs/channel.md, ``bench/channel.py``): no ``/dev/shm`` leaks over
-many attach/detach cycles, survives senders being killed, and is a plain actor
-handle any number of engines can hold — the Compiled Graph channels measured
-faster hung at teardown and leaked semaphores on CPU, and a streaming
-generator (faster too) would tie the stream to one engine call owned by the
-learner. (Until 2026-11-30 the queue held object references instead, ``ray.put``
-by the sender: the queue actor then grew ~250-380 bytes of RSS per message —
-Ray's bookkeeping of the references it borrowed and passed on — 6 % in a 30-min
-soak; by value it stays flat, and it is as fast for these message sizes.)
+A small async queue actor holds msgpack-encoded :class:`protocol.TrajectoryGroup`
+bytes by value: senders (the engines) enqueue, the one reader (the learner job)
+dequeues a message at a time. The learner job creates the actor, so it dies with
+the job, and :meth:`TrajectoryChannel.close` kills it; an accepted message lives
+in the actor until read, so it survives its sender.
 
-Lifetime and ownership: the queue actor is created by the learner job (so it
-dies with the job) and :meth:`TrajectoryChannel.close` kills it. A message
-that was accepted lives in the queue actor's memory until it is read, so it
-survives its sender (at most ``maxsize`` messages are held there).
-
-Bounds: the queue holds at most ``maxsize`` references, so a slow reader
-back-pressures the engines (``send`` waits for room). Every wait has a
-timeout and raises :class:`ChannelTimeout` naming the channel; any operation
-on a closed channel (or one whose job ended) raises :class:`ChannelClosed`.
+Bounds: at most ``maxsize`` messages are held, so a slow reader back-pressures
+the engines; every wait has a timeout (:class:`ChannelTimeout`), and any call on
+a closed channel raises :class:`ChannelClosed`. Why this transport and not
+Compiled Graph channels, a streaming generator or object references, with the
+measurements: docs/channel.md (``bench/channel.py``).
 """
 from __future__ import annotations
 
@@ -29,6 +18,7 @@ import asyncio
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +81,7 @@ def _queue_actor_class():
 class TrajectoryChannel:
     """Handle to one channel; picklable, so it can be given to the engines."""
 
-    actor: object  # handle of the _QueueActor
+    actor: Any  # ActorHandle of the _QueueActor (Ray types handle methods only under @ray.method)
     name: str
     maxsize: int
 
@@ -106,25 +96,26 @@ class TrajectoryChannel:
     def send(self, data: bytes, timeout_s: float) -> None:
         """Put one encoded message; waits at most ``timeout_s`` for room."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             accepted = ray.get(self.actor.put.remote(data, timeout_s), timeout=timeout_s + RPC_GRACE_S)
-        except ray.exceptions.GetTimeoutError:
+        except GetTimeoutError:
             raise self._unresponsive(timeout_s) from None
-        except ray.exceptions.RayActorError as exc:
+        except RayActorError as exc:
             raise self._closed(exc) from None
         if not accepted:
             raise self._full(timeout_s)
 
     async def send_async(self, data: bytes, timeout_s: float) -> None:
         """:meth:`send` for async actors (the engines): waits without blocking the event loop."""
-        import ray
+        from ray.exceptions import RayActorError
 
         try:
             accepted = await asyncio.wait_for(self.actor.put.remote(data, timeout_s), timeout_s + RPC_GRACE_S)
         except TimeoutError:
             raise self._unresponsive(timeout_s) from None
-        except ray.exceptions.RayActorError as exc:
+        except RayActorError as exc:
             raise self._closed(exc) from None
         if not accepted:
             raise self._full(timeout_s)
@@ -146,12 +137,13 @@ class TrajectoryChannel:
     def _dequeue(self, timeout_s: float) -> bytes:
         """The next message; ChannelTimeout if none arrives within ``timeout_s``."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             items = ray.get(self.actor.get.remote(timeout_s), timeout=timeout_s + RPC_GRACE_S)
-        except ray.exceptions.GetTimeoutError:
+        except GetTimeoutError:
             raise self._unresponsive(timeout_s) from None
-        except ray.exceptions.RayActorError as exc:
+        except RayActorError as exc:
             raise self._closed(exc) from None
         if not items:
             raise ChannelTimeout(f"channel {self.name!r}: nothing arrived for {timeout_s:.1f} s")
@@ -161,12 +153,13 @@ class TrajectoryChannel:
     def size(self) -> int:
         """Messages waiting in the queue."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             return ray.get(self.actor.size.remote(), timeout=RPC_GRACE_S)
-        except ray.exceptions.GetTimeoutError:
+        except GetTimeoutError:
             raise self._unresponsive(0.0) from None
-        except ray.exceptions.RayActorError as exc:
+        except RayActorError as exc:
             raise self._closed(exc) from None
 
     def close(self) -> None:

@@ -19,23 +19,23 @@ import sys
 from pathlib import Path
 
 from services.cluster_auth import ClusterConnectError
-from services.config import RecipeError, load_recipe, recipe_to_yaml
-from services.pool_startup import PoolStartError
+from services.config import Recipe, RecipeError, load_recipe, recipe_to_yaml
+from services.pool.startup import PoolStartError
 
 EXIT_USER_ERROR = 2
 EXIT_FAILED = 1
 
 
-def _recipe(args, extra: list[str] | None = None):
+def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
     return load_recipe(args.recipe, list(args.overrides) + (extra or []))
 
 
-def _cmd_validate(args) -> int:
+def _cmd_validate(args: argparse.Namespace) -> int:
     sys.stdout.write(recipe_to_yaml(_recipe(args)))
     return 0
 
 
-def _cmd_make_tiny_model(args) -> int:
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from services.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, size=args.size, dtype=args.dtype)
@@ -43,7 +43,7 @@ def _cmd_make_tiny_model(args) -> int:
     return 0
 
 
-def _cmd_run(args) -> int:
+def _cmd_run(args: argparse.Namespace) -> int:
     from services.app import run_embedded
 
     extra = [f"grpo.max_num_steps={args.steps}"] if args.steps else []
@@ -53,7 +53,7 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _cmd_pool_deploy(args) -> int:
+def _cmd_pool_deploy(args: argparse.Namespace) -> int:
     from services import cluster, ray_runtime
     from services.app import deploy_pool
 
@@ -64,7 +64,7 @@ def _cmd_pool_deploy(args) -> int:
     return 0
 
 
-def _cmd_pool_status(args) -> int:
+def _cmd_pool_status(args: argparse.Namespace) -> int:
     from services import cluster, pool, ray_runtime
 
     ray_runtime.connect(_require_cluster(cluster))
@@ -72,7 +72,7 @@ def _cmd_pool_status(args) -> int:
     return 0
 
 
-def _cmd_pool_shutdown(args) -> int:
+def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
     from services import cluster, pool, ray_runtime
 
     ray_runtime.connect(_require_cluster(cluster))
@@ -85,7 +85,7 @@ def _cmd_pool_shutdown(args) -> int:
     return 0
 
 
-def _cmd_learner_attach(args) -> int:
+def _cmd_learner_attach(args: argparse.Namespace) -> int:
     from services import cluster, ray_runtime
     from services.app import run_learner
 
@@ -112,23 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inflight", description="Asynchronous GRPO: vLLM rollout pool + Megatron learner.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def recipe_args(sp, required=False):
-        sp.add_argument("--recipe", default=None, required=required,
-                        help="recipe YAML (default: recipes/tiny-cpu.yaml)")
+    def recipe_command(group, name: str, help: str, func, run_dir: bool = True, run_dir_help: str | None = None):
+        sp = group.add_parser(name, help=help)
+        sp.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/tiny-cpu.yaml)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.async_grpo.enabled=true")
+        if run_dir:
+            sp.add_argument("--run-dir", default=None, help=run_dir_help)
+        sp.set_defaults(func=func)
+        return sp
 
-    r = sub.add_parser("run", help="run the whole loop on this machine (local Ray, pool, learner)")
-    recipe_args(r)
+    r = recipe_command(sub, "run", "run the whole loop on this machine (local Ray, pool, learner)", _cmd_run,
+                       run_dir_help="where metrics, plots and checkpoints go (default: logger.log_dir)")
     r.add_argument("--steps", type=int, default=None, help="override grpo.max_num_steps")
-    r.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default: logger.log_dir)")
-    r.set_defaults(func=_cmd_run)
 
     pool = sub.add_parser("pool", help="the long-lived rollout pool").add_subparsers(dest="pool_cmd", required=True)
-    d = pool.add_parser("deploy", help="deploy a rollout pool (starts a local Ray cluster if none is given)")
-    recipe_args(d)
+    d = recipe_command(pool, "deploy", "deploy a rollout pool (starts a local Ray cluster if none is given)",
+                       _cmd_pool_deploy)
     d.add_argument("--name", default=None, help="pool name (default: rollout_pool.name)")
-    d.add_argument("--run-dir", default=None)
-    d.set_defaults(func=_cmd_pool_deploy)
     s = pool.add_parser("status", help="print a pool's status as JSON")
     s.add_argument("--name", default="inflight-pool")
     s.set_defaults(func=_cmd_pool_status)
@@ -138,15 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=_cmd_pool_shutdown)
 
     learner = sub.add_parser("learner", help="learner jobs").add_subparsers(dest="learner_cmd", required=True)
-    a = learner.add_parser("attach", help="attach a learner to a pool and train (resumes from run-dir)")
-    recipe_args(a)
+    a = recipe_command(learner, "attach", "attach a learner to a pool and train (resumes from run-dir)",
+                       _cmd_learner_attach)
     a.add_argument("--pool", required=True, help="name of the pool to attach to")
-    a.add_argument("--run-dir", default=None)
-    a.set_defaults(func=_cmd_learner_attach)
 
-    v = sub.add_parser("validate", help="load a recipe, apply overrides, print the result")
-    recipe_args(v)
-    v.set_defaults(func=_cmd_validate)
+    recipe_command(sub, "validate", "load a recipe, apply overrides, print the result", _cmd_validate, run_dir=False)
 
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
     t.add_argument("dir")

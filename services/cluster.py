@@ -52,7 +52,7 @@ def token_for(address: str) -> Path | None:
 def ensure_cluster(timeout_s: float = 120.0) -> str:
     """``RAY_ADDRESS`` if set, else the recorded head if it answers, else a new head node."""
     addr = known_address()
-    if os.environ.get("RAY_ADDRESS") or (addr and _alive(addr)):
+    if addr and (os.environ.get("RAY_ADDRESS") or _alive(addr)):
         return addr
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
     port = free_port()

@@ -46,7 +46,8 @@ def use_token(token_path: Path) -> None:
     for var in AUTH_VARS:
         os.environ.pop(var, None)
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
-    from ray._raylet import AuthenticationTokenLoader, Config
+    # ray/_raylet.pyi lags the compiled module: these names exist in _raylet.so but not in the stub
+    from ray._raylet import AuthenticationTokenLoader, Config  # pyright: ignore[reportAttributeAccessIssue]
 
     Config.initialize("")                          # Ray caches its config (and the auth mode) per process
     AuthenticationTokenLoader.instance().reset_cache()
@@ -54,7 +55,8 @@ def use_token(token_path: Path) -> None:
 
 def client_token() -> str | None:
     """The token this process's Ray client would send (None when its auth mode is not ``token``)."""
-    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    # not in ray/_raylet.pyi (the stub lags the compiled module)
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode  # pyright: ignore[reportAttributeAccessIssue]
 
     loader = AuthenticationTokenLoader.instance()
     if get_authentication_mode() != AuthenticationMode.TOKEN or not loader.has_token():

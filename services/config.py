@@ -38,7 +38,7 @@ class AsyncGrpoConfig(ConfigModel):
 
     enabled: bool = False
     """Overlap generation of later steps with training of step k (requires non-colocated generation)."""
-    max_trajectory_age_steps: int = Field(1, ge=1, le=64)
+    max_trajectory_age_steps: int = Field(default=1, ge=1, le=64)
     """A: generation runs up to A steps ahead of training (prompts of step k+A are scheduled when step k starts,
     so a trained group is A versions old in steady state), and a group holding a token more than A policy
     versions older than the step is dropped and replaced. 1 is lag-1 ("1-off") async GRPO."""
@@ -51,17 +51,17 @@ class AsyncGrpoConfig(ConfigModel):
 class GrpoConfig(ConfigModel):
     """``grpo``: the algorithm's sizes and schedule."""
 
-    num_prompts_per_step: int = Field(64, ge=1, le=65536)
+    num_prompts_per_step: int = Field(default=64, ge=1, le=65536)
     """Prompts (groups) trained per step."""
-    num_generations_per_prompt: int = Field(16, ge=2, le=4096)
+    num_generations_per_prompt: int = Field(default=16, ge=2, le=4096)
     """Group size G: answers sampled per prompt (>= 2: advantages compare answers of a group)."""
-    max_num_steps: int = Field(100, ge=1)
+    max_num_steps: int = Field(default=100, ge=1)
     """Training steps to run."""
     normalize_rewards: bool = True
     """Divide group-centred rewards by the group's std (+1e-6); False keeps only the centring."""
-    seed: int = Field(42, ge=0)
+    seed: int = Field(default=42, ge=0)
     """Seed of data order, sampling and initialisation."""
-    max_consecutive_skipped_steps: int = Field(3, ge=1, le=1000)
+    max_consecutive_skipped_steps: int = Field(default=3, ge=1, le=1000)
     """Learner steps in a row that may be skipped (non-finite loss or gradient, no valid tokens) before the job
     stops with the learner's reason; a skipped step trains nothing, pushes nothing and drops its prompts as
     ``step_skipped``."""
@@ -74,9 +74,9 @@ class PolicyConfig(ConfigModel):
 
     model_name: str = "tiny://qwen2"
     """HF model directory, or ``tiny://ARCH[?seed=N&size=S]`` to build a random tiny model locally."""
-    max_total_sequence_length: int = Field(8192, ge=16)
+    max_total_sequence_length: int = Field(default=8192, ge=16)
     """Prompt + answer tokens of one sequence."""
-    refit_bucket_mb: int = Field(512, ge=1, le=65536)
+    refit_bucket_mb: int = Field(default=512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
     refit_transport: Literal["object_store", "collective"] = "object_store"
     """How weights reach the engines after a step. ``object_store``: rank 0 exports CRC32-checked buckets
@@ -85,7 +85,7 @@ class PolicyConfig(ConfigModel):
     from its device to every engine worker over one NCCL group (gloo on CPU), received in the vLLM workers
     while they keep generating and checked on the device; a restarted engine rejoins at the next push.
     Needs the learner and the engines on their own devices (not colocated)."""
-    refit_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    refit_timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
     """Deadline of one weight push, for fetching its buckets and again for installing them on the engines; a push
     that misses it is rejected as a whole (the old version keeps serving). Separate from the per-sample
     ``generation.request_timeout_s``, which may be far shorter than a reload."""
@@ -102,12 +102,12 @@ class EnvConfig(ConfigModel):
 
     task: Literal["repeat_letter", "arithmetic"] = "repeat_letter"
     """Prompt source: ``repeat_letter`` (toy task a tiny random model learns on CPU) or ``arithmetic``."""
-    reward_fn: str = Field("repeat_letter", min_length=1, max_length=512)
+    reward_fn: str = Field(default="repeat_letter", min_length=1, max_length=512)
     """Reward function: ``repeat_letter``, ``math_exact``, ``format``, or your own as
     ``package.module:function`` / ``/path/to/file.py:function`` (importable where the engines run)."""
-    num_prompts: int = Field(4096, ge=1)
+    num_prompts: int = Field(default=4096, ge=1)
     """Size of the prompt set (generated from ``grpo.seed``)."""
-    reward_timeout_s: float = Field(30.0, gt=0.0)
+    reward_timeout_s: float = Field(default=30.0, gt=0.0)
     """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
 
 
@@ -124,9 +124,9 @@ class EnvConfig(ConfigModel):
 class ClusterConfig(ConfigModel):
     """``cluster``: the hardware the recipe is written for."""
 
-    num_nodes: int = Field(1, ge=1, le=4096)
+    num_nodes: int = Field(default=1, ge=1, le=4096)
     """Nodes."""
-    gpus_per_node: int = Field(0, ge=0, le=16)
+    gpus_per_node: int = Field(default=0, ge=0, le=16)
     """GPUs per node; 0 runs on CPU."""
     engine_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each rollout engine asks for besides its GPUs, which keeps engines on the nodes that
@@ -139,24 +139,24 @@ class ClusterConfig(ConfigModel):
 class RolloutPoolConfig(ConfigModel):
     """``rollout_pool``: the long-lived generation service."""
 
-    name: str = Field("inflight-pool", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(default="inflight-pool", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     """Ray Serve application name; learners attach to it by name."""
-    num_engines: int = Field(1, ge=1, le=1024)
+    num_engines: int = Field(default=1, ge=1, le=1024)
     """vLLM engine replicas."""
     http_host: str = "127.0.0.1"
     """Address of /healthz, /readyz, /metrics; loopback unless told otherwise."""
-    http_port: int = Field(8123, ge=0, le=65535)
+    http_port: int = Field(default=8123, ge=0, le=65535)
     """Port of the HTTP endpoints (0 picks a free one)."""
     admin_token_env: str = "INFLIGHT_ADMIN_TOKEN"
     """Environment variable holding the bearer token for admin endpoints (pause, resume, drain)."""
-    max_inflight_groups: int = Field(256, ge=1)
+    max_inflight_groups: int = Field(default=256, ge=1)
     """Backpressure: groups generated but not yet taken by the learner."""
-    channel_send_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    channel_send_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     """Longest an engine waits for room in the learner's trajectory channel (full: the learner is not reading)
     before it gives the message up: counted in ``inflight_channel_send_failures``, its prompt reported to the
     learner as undelivered (dropped with a reason, replaced); the engine goes on serving. Must be
     < ``policy.generation.request_timeout_s``."""
-    learner_gpus: int | None = Field(None, ge=0)
+    learner_gpus: int | None = Field(default=None, ge=0)
     """GPUs of the learner job when not colocated; default: the rest of the cluster."""
 
 
@@ -167,9 +167,9 @@ class CheckpointingConfig(ConfigModel):
     """Save checkpoints."""
     checkpoint_dir: str = "results/checkpoints"
     """Where checkpoints go (relative paths are under the run directory)."""
-    save_period: int = Field(10, ge=1)
+    save_period: int = Field(default=10, ge=1)
     """Save every N steps (and at the end)."""
-    keep_top_k: int = Field(2, ge=1)
+    keep_top_k: int = Field(default=2, ge=1)
     """Most recent checkpoints kept."""
 
 
@@ -180,15 +180,15 @@ class LoggerConfig(ConfigModel):
     """Write TensorBoard events under RUN_DIR/tensorboard."""
     log_dir: str = "runs/latest"
     """Run directory (metrics.jsonl, plots, checkpoints)."""
-    parity_probe_sequences: int = Field(4, ge=0)
+    parity_probe_sequences: int = Field(default=4, ge=0)
     """Fixed sequences (prompt tokens + a fixed continuation) scored by the learner and by every engine installed
     since it was last probed, after the first push and after each refit (gen KL parity probe); 0 disables it."""
-    parity_max_gen_kl: float = Field(0.01, gt=0.0)
+    parity_max_gen_kl: float = Field(default=0.01, gt=0.0)
     """Largest gen KL the probe accepts after a refit. Above it the engine is not serving the learner's
     weights (e.g. a load path that scrambles fused tensors): the job pushes once more and, if the probe
     still fails, stops with ``ParityError``. Measured: ~1e-11 float32 on CPU; on H200 in bf16 ~5e-5 (dense
     0.6B) and 2.6e-6 (small MoE, FlashInfer CUTLASS)."""
-    parity_max_gen_kl_ratio: float = Field(20.0, ge=0.0)
+    parity_max_gen_kl_ratio: float = Field(default=20.0, ge=0.0)
     """Also fail the probe when gen KL exceeds this multiple of the median of the last 5 accepted refits
     (baseline at least 1e-6): a wrong install can stay under ``parity_max_gen_kl`` on a model with
     near-uniform outputs (measured on H200, random MoE, wrong vs right path: 3.0e-4 vs 2.6e-6 = 115x, and in another

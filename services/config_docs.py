@@ -63,7 +63,7 @@ def _type_name(field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.get_default(call_default_factory=True)
         return "" if isinstance(value, ConfigModel) else repr(value)
     return repr(field.default)
 

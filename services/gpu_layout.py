@@ -1,12 +1,98 @@
-"""The recipe's GPU layout rules: what :mod:`services.placement` can place, checked at load.
+"""The recipe's GPU layout: what can be placed (checked at load) and the placement both wings share.
 
-Called by :class:`services.config.Recipe`'s validator; every message starts with
-the key path to change. CPU recipes (``cluster.gpus_per_node: 0``) have no layout.
+:func:`check_gpu_layout` is called by :class:`services.config.Recipe`'s validator;
+every message starts with the key path to change. CPU recipes
+(``cluster.gpus_per_node: 0``) have no layout. The rest is what the pool
+(:mod:`services.pool.placement`) and the learner job both need: GPU shares per
+learner rank, the colocation group's size, its GPU *slots* (bundles node by
+node) and a learner rank's Ray options. How colocation works:
+docs/architecture.md, "Placement".
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-def check_gpu_layout(recipe) -> None:
+if TYPE_CHECKING:
+    from services.config import Recipe
+
+COLOCATED_SHARE = 0.5
+"""The share of a GPU a colocated engine worker and a colocated learner rank each ask for."""
+
+
+class PlacementError(ValueError):
+    """The recipe's GPU layout cannot be placed on this cluster."""
+
+
+def colocated_on_gpus(recipe: Recipe) -> bool:
+    return bool(recipe.cluster.gpus_per_node) and recipe.policy.generation.colocated.enabled
+
+
+def learner_gpus_per_rank(recipe: Recipe) -> float:
+    if not recipe.cluster.gpus_per_node:
+        return 0
+    return COLOCATED_SHARE if recipe.policy.generation.colocated.enabled else 1
+
+
+def check_learner_fits(recipe: Recipe, cluster_gpus: float) -> None:
+    """Fail fast (instead of an actor waiting forever for GPUs) when the learner cannot be placed."""
+    need = max(1, recipe.learner_gpus) * learner_gpus_per_rank(recipe)
+    if need > cluster_gpus:
+        raise PlacementError(f"the learner needs {need:g} GPUs ({max(1, recipe.learner_gpus)} ranks) but the Ray "
+                             f"cluster has {cluster_gpus:g}; check cluster.gpus_per_node and rollout_pool.learner_gpus")
+
+
+def colocation_bundles(recipe: Recipe) -> int:
+    """Whole-GPU bundles a colocated pool reserves (every cluster GPU); 0 when not colocated on GPUs."""
+    return recipe.cluster.num_nodes * recipe.cluster.gpus_per_node if colocated_on_gpus(recipe) else 0
+
+
+def bundle_nodes(group: Any) -> dict[int, str]:
+    """Node id of each bundle of a granted placement group."""
+    import ray
+
+    nodes = ray.util.placement_group_table(group).get("bundles_to_node_id") or {}
+    if len(nodes) != len(group.bundle_specs):
+        raise PlacementError(f"placement group {group.id.hex()} is not granted yet ({len(nodes)} of "
+                             f"{len(group.bundle_specs)} bundles placed)")
+    return {int(b): n for b, n in nodes.items()}
+
+
+def slots_by_node(nodes: Mapping[int, str]) -> list[int]:
+    """Bundle indices node by node (nodes in the order of their lowest bundle, bundles ascending within one):
+    slot ``s`` of the colocation group is bundle ``slots_by_node(...)[s]``."""
+    first: dict[str, int] = {}
+    for b in sorted(nodes):
+        first.setdefault(nodes[b], b)
+    return sorted(nodes, key=lambda b: (first[nodes[b]], b))
+
+
+def gpu_slots(group: Any) -> list[int]:
+    """The colocation group's bundle indices in slot order (see :func:`slots_by_node`)."""
+    return slots_by_node(bundle_nodes(group))
+
+
+def in_bundle(group: Any, bundle: int) -> Any:
+    """The scheduling strategy that puts an actor on ``bundle`` of ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+
+
+def learner_options(recipe: Recipe, rank: int, group: Any) -> dict:
+    """Ray actor options of learner rank ``rank``: its GPUs and, colocated, its slot's bundle."""
+    options: dict = {"num_gpus": learner_gpus_per_rank(recipe)}
+    if group is None and recipe.cluster.learner_resources:
+        options["resources"] = dict(recipe.cluster.learner_resources)
+    if group is not None:
+        slots = gpu_slots(group)
+        if rank >= len(slots):
+            raise PlacementError(f"learner rank {rank} has no colocation slot (the group has {len(slots)})")
+        options["scheduling_strategy"] = in_bundle(group, slots[rank])
+    return options
+
+
+def check_gpu_layout(recipe: Recipe) -> None:
     """Raise ``ValueError`` naming the key when the recipe's engines and learner cannot be placed on
     ``cluster.num_nodes x cluster.gpus_per_node`` GPUs."""
     c, pool_cfg = recipe.cluster, recipe.rollout_pool
@@ -45,7 +131,7 @@ def check_gpu_layout(recipe) -> None:
                          f"divide DP x TP ({dp * m.tensor_model_parallel_size}) of the learner")
 
 
-def _check_colocated(recipe, k: int, pool: int, total: int) -> int:
+def _check_colocated(recipe: Recipe, k: int, pool: int, total: int) -> int:
     """Colocated, every cluster GPU holds one engine worker and one learner rank; returns the learner's GPUs."""
     c, pool_cfg = recipe.cluster, recipe.rollout_pool
     if c.gpus_per_node % k:

@@ -1,21 +1,13 @@
 """Model files on every node: shipped through Ray when a node does not have them.
 
-``policy.model_name`` resolves to a directory on the node that resolved it (the
-driver's). Engines and learner ranks may land on other nodes, which may not
-have that directory. :func:`share` (on the driver) starts a
-:class:`ModelFileHolder` actor pinned to the driver's node: it opens every file
-of the directory at once (so later changes to the directory, even its removal,
-do not change what it ships) and hashes them the first time someone asks.
-:func:`ensure_local` (in an engine or learner actor) returns the directory
-itself when the node has it; otherwise it copies the holder's files, in chunks
-through the object store, into ``$INFLIGHT_CACHE/models/<content hash>`` on its
-own node (once per node and content; every file checked against its SHA-256),
-and returns that directory. When nothing can ship the files (no holder, the
-holder or its node gone) :class:`ModelFilesError` names this node, the origin
-node and the path.
-
-A directory that exists on a node is trusted to hold the same model (a shared
-filesystem, or identical copies).
+:func:`share` (on the driver) starts a :class:`ModelFileHolder` actor pinned to
+the driver's node that keeps every file of the model directory open and hashes
+them on first use. :func:`ensure_local` (in an engine or learner actor) returns
+the directory when its node has it (trusted to be the same model), else copies
+the holder's files in chunks into ``$INFLIGHT_CACHE/models/<content hash>`` on
+its own node, once per node and content, each file checked against its
+SHA-256. When nothing can ship them, :class:`ModelFilesError` names this node,
+the origin node and the path. More: docs/operations.md, "Model files".
 """
 from __future__ import annotations
 
@@ -27,7 +19,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 log = logging.getLogger("inflight.model_files")
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -123,6 +115,7 @@ def share(path: str, owner: str | None = None) -> ModelFiles:
     ``owner`` (a pool name): the holder is a detached actor named after it, which outlives this process
     (``release(owner)`` ends it); None: the holder lives as long as this process."""
     import ray
+    from ray.exceptions import RayActorError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = ray.get_runtime_context().get_node_id()
@@ -137,7 +130,7 @@ def share(path: str, owner: str | None = None) -> ModelFiles:
             ray.kill(old)
         except ValueError:
             pass  # none yet
-        except ray.exceptions.RayActorError:
+        except RayActorError:
             pass  # a dead one; replaced below
         opts.update(name=holder_name(owner), namespace="inflight", lifetime="detached")
     holder = ray.remote(ModelFileHolder).options(**opts).remote(path)
@@ -163,6 +156,7 @@ def ensure_local(model: ModelFiles | str, cache_dir: str | Path | None = None) -
     if (Path(model.path) / "config.json").is_file():
         return model.path
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     here = f"node {_node_ip()} ({ray.get_runtime_context().get_node_id()[:12]})" if ray.is_initialized() \
         else f"node {_node_ip()}"
@@ -174,9 +168,10 @@ def ensure_local(model: ModelFiles | str, cache_dir: str | Path | None = None) -
         from services.model_source import CACHE
         cache_dir = CACHE / "models"
     try:
-        manifest = ray.get(model.holder.manifest.remote(), timeout=CALL_TIMEOUT_S)
+        # handle calls are untyped: cast to what ModelFileHolder.manifest returns
+        manifest = cast(dict, ray.get(model.holder.manifest.remote(), timeout=CALL_TIMEOUT_S))
         return _materialize(model.holder, manifest, Path(cache_dir), here)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+    except (RayActorError, GetTimeoutError) as exc:
         raise ModelFilesError(f"model files: {model.path} is not on {here} and cannot be shipped: the holder of "
                               f"{where} is gone or did not answer ({type(exc).__name__})") from None
 
@@ -202,8 +197,8 @@ def _materialize(holder, manifest: dict, cache: Path, here: str) -> str:
             h = hashlib.sha256()
             with open(target, "wb") as f:
                 for offset in range(0, size, CHUNK_BYTES):
-                    data = ray.get(holder.read.remote(rel, offset, min(CHUNK_BYTES, size - offset)),
-                                   timeout=CALL_TIMEOUT_S)
+                    data = cast(bytes, ray.get(holder.read.remote(rel, offset, min(CHUNK_BYTES, size - offset)),
+                                               timeout=CALL_TIMEOUT_S))
                     h.update(data)
                     f.write(data)
             if h.hexdigest() != sha:

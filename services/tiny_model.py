@@ -19,6 +19,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import TypedDict
 
 ARCHS = ("qwen2", "llama", "qwen3_moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -82,15 +83,34 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 448, seed: int
     return fast
 
 
+class _CommonConfig(TypedDict):
+    """The HF config fields every tiny architecture shares."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rope_parameters: dict
+    tie_word_embeddings: bool
+    initializer_range: float
+    eos_token_id: int
+    pad_token_id: int
+    bos_token_id: None
+    rms_norm_eps: float
+
+
 def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std: float | None = None):
     import transformers as tf
 
-    dims = dict(SIZES[size])
-    common = dict(vocab_size=vocab, hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
-                  num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
-                  max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=False,
-                  initializer_range=init_std or (0.2 if size == "tiny" else 0.02), eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id, bos_token_id=None, rms_norm_eps=1e-6)
+    dims = SIZES[size]
+    common = _CommonConfig(
+        vocab_size=vocab, hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
+        max_position_embeddings=max_positions, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        tie_word_embeddings=False, initializer_range=init_std or (0.2 if size == "tiny" else 0.02),
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, rms_norm_eps=1e-6)
     if arch == "qwen2":
         cfg = tf.Qwen2Config(intermediate_size=dims["intermediate_size"], use_sliding_window=False, **common)
         cfg.architectures = ["Qwen2ForCausalLM"]
@@ -99,7 +119,8 @@ def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std:
                              attention_bias=False, mlp_bias=False, hidden_act="silu", **common)
         cfg.architectures = ["LlamaForCausalLM"]
     elif arch == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],
+        # head_dim: Qwen3MoeConfig takes it as an extra keyword (its dataclass signature leaves it out)
+        cfg = tf.Qwen3MoeConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],  # pyright: ignore[reportCallIssue]
                                 moe_intermediate_size=dims["moe_intermediate_size"], num_experts=dims["num_experts"],
                                 num_experts_per_tok=dims["num_experts_per_tok"], decoder_sparse_step=1,
                                 mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,

@@ -41,10 +41,10 @@ def env_of(actor, key: str) -> str:
 
 
 def run(recipe, handle, files, run_dir: Path, out: dict, key: str) -> None:
-    from services.job import LearnerJob
-    from services.learner_actor import LearnerGroup
-    from services.loop_async import run_async
-    from services.loop_sync import run_sync
+    from services.job.learner_job import LearnerJob
+    from services.job.learner_actor import LearnerGroup
+    from services.job.loop_async import run_async
+    from services.job.loop_sync import run_sync
     from services.model_files import ensure_local
 
     learner = LearnerGroup(recipe, files)
@@ -69,7 +69,7 @@ def main(out_path: str) -> None:
 
     from services import pool as pool_api
     from services.config import load_recipe
-    from services.learner_actor import LearnerGroup
+    from services.job.learner_actor import LearnerGroup
     from services.model_files import share
     from services.model_source import resolve_model
 

@@ -1,7 +1,7 @@
 """The trajectory channel on a real (private, local) Ray cluster.
 
 A ``Sender`` actor stands in for a rollout engine (async, calls
-``send_async`` like ``services.engine_actor``); the test process is the
+``send_async`` like ``services.pool.engine_actor``); the test process is the
 receiver, as the learner job is. Covered: byte-exact ordered round trip of
 real encoded groups, backpressure, bounded waits on empty / full / closed
 channels, messages of a dead sender still delivered, and 20 attach/detach cycles

@@ -6,7 +6,7 @@ pushes with vLLM's layerwise ``reload_weights`` (which does that); a plain
 ``model.load_weights`` writes [gate; up] and leaves the engine serving
 different weights than the learner's. This test installs the learner's
 weights both ways on one engine and checks that the job's parity check
-(:func:`services.parity.check_parity`) passes the first and stops the second,
+(:func:`services.job.parity.check_parity`) passes the first and stops the second,
 and that the engine's direct-load guard (:mod:`rollout.direct_load`) refuses
 plain ``load_weights`` for this model and leaves the right weights installed.
 
@@ -52,7 +52,7 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
     from rollout.engine import RolloutEngine
     from rollout.rewards import get_reward_fn
     from rollout.tasks import make_prompts
-    from services.parity import ParityError, check_parity, parity_stats
+    from services.job.parity import ParityError, check_parity, parity_stats
     from services.tiny_model import make_tiny_model
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test send the wrong loader to the worker
@@ -87,7 +87,7 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
             return parity_stats(eng, learner.logprobs(prompts, responses))
 
         manifest, buckets = learner.export_weights(64 << 20)
-        run(engine.apply_weights(manifest, buckets))                    # reload_weights: the product's path
+        run(engine.install(manifest, buckets))                    # reload_weights: the product's path
         right = probe()
         print(f"\n{backend} reload_weights: {right}")
         check_parity(right, MAX_GEN_KL, 1)

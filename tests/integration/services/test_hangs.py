@@ -34,8 +34,8 @@ def attached_job(recipe, run_dir):
     """Deploy a pool for ``recipe``, attach a real learner job to it; shut both down afterwards."""
     from services import pool as pool_api
     from services.app import deploy_pool
-    from services.job import LearnerJob
-    from services.learner_actor import LearnerGroup
+    from services.job.learner_job import LearnerJob
+    from services.job.learner_actor import LearnerGroup
     from services.model_source import resolve_model
 
     deploy_pool(recipe, run_dir)
@@ -55,7 +55,7 @@ def attached_job(recipe, run_dir):
 
 def first_step_times_out(job):
     """Start ``job``, schedule step 1 and collect it until the StepTimeout; returns (seconds waited, the error)."""
-    from services.job import StepTimeout
+    from services.job.learner_job import StepTimeout
 
     job.start(prefetch=False)
     job.schedule(1)
@@ -78,10 +78,10 @@ def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, 
         print(f"hanging reward: StepTimeout after {waited:.1f} s: {err.value}")
         assert waited <= job.collect_timeout_s + 30
         assert "last failed sample: reward:" in str(err.value)
-        summary = job.ledger.summary()
+        summary = job.book.ledger.summary()
         assert summary["trained"] == 0
         assert summary["dropped_by_reason"].get("too_few_valid_samples", 0) >= 4  # replaced, never scored 0
-        assert job.buffer.drops["too_few_valid_samples"] == summary["dropped_by_reason"]["too_few_valid_samples"]
+        assert job.book.buffer.drops["too_few_valid_samples"] == summary["dropped_by_reason"]["too_few_valid_samples"]
 
 
 REQUEST_TIMEOUT_S = 0.01  # the first output of a request alone takes longer on CPU; 100 tokens take far longer
@@ -101,7 +101,7 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
                          "logger.parity_probe_sequences=0")  # the probe's scoring shares the 0.01 s request timeout
     with attached_job(recipe, tmp_path) as job:
         groups: list[TrajectoryGroup] = []
-        receive = job._receive
+        receive = job.book.receive
 
         def record(data: bytes) -> None:  # keep what arrived, then let the job account for it as usual
             try:
@@ -112,10 +112,10 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
                 groups.append(msg)
             receive(data)
 
-        job._receive = record
+        job.book.receive = record
         waited, err = first_step_times_out(job)
         stats = pool_api.connect(POOL_NAME).engine_stats.remote().result(timeout_s=60)
-        summary = job.ledger.summary()
+        summary = job.book.ledger.summary()
         samples = [t for g in groups for t in g.trajectories]
         failed = [t for t in samples if t.finish_reason == "error"]
         print(f"never-finishing generation: StepTimeout after {waited:.1f} s ({err.value}); {len(groups)} groups, "
@@ -135,7 +135,7 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
         s = next(iter(stats.values()))
         assert s["aborts"] >= len(failed) * (MAX_RETRIES + 1) and s["retries"] >= len(failed) * MAX_RETRIES
         assert s["samples_ok"] == 0 and s["samples_failed"] >= len(failed)
-        assert summary["trained"] == 0 and len(job.buffer) == 0
+        assert summary["trained"] == 0 and len(job.book.buffer) == 0
         assert summary["dropped_by_reason"].get("too_few_valid_samples", 0) >= 4
-        assert summary["dropped_by_reason"]["too_few_valid_samples"] == job.buffer.drops["too_few_valid_samples"]
+        assert summary["dropped_by_reason"]["too_few_valid_samples"] == job.book.buffer.drops["too_few_valid_samples"]
         assert summary["scheduled"] == summary["dropped"] + summary["pending"]  # each drop replaced, none lost

@@ -178,15 +178,23 @@ def test_learner_killed_then_reattached_resumes_from_checkpoint(pool, ray_cluste
     _, url = pool
     first = _attach(ray_cluster, tmp_path, steps=50)
     deadline = time.monotonic() + 300
-    while len(rows(tmp_path)) < 3:
+    latest = tmp_path / "results" / "checkpoints" / "latest"
+
+    def checkpointed() -> int:  # a step's row is written before its checkpoint: wait for the checkpoint
+        try:
+            return int(latest.read_text().split("_")[1])
+        except (OSError, IndexError, ValueError):  # not written yet, or being written
+            return 0
+
+    while checkpointed() < 3:
         assert first.poll() is None, (tmp_path / "attach-50.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "learner made no progress"
         time.sleep(1)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
     done = rows(tmp_path)
-    ckpt_step = int((tmp_path / "results" / "checkpoints" / "latest").read_text().split("_")[1])
-    assert ckpt_step >= 3
+    ckpt_step = checkpointed()
+    assert ckpt_step >= 3 and len(done) >= ckpt_step
     for _ in range(3):  # the pool keeps serving while no learner is attached
         assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
@@ -274,10 +282,10 @@ class PoisonedSteps:
 def _run_poisoned(recipe, run_dir: Path, calls: set[int]):
     """Run the recipe's loop against the module's pool with :class:`PoisonedSteps`; returns (job, error raised)."""
     from services import pool as pool_api
-    from services.job import LearnerJob
-    from services.learner_actor import LearnerGroup
-    from services.loop_async import run_async
-    from services.loop_sync import run_sync
+    from services.job.learner_job import LearnerJob
+    from services.job.learner_actor import LearnerGroup
+    from services.job.loop_async import run_async
+    from services.job.loop_sync import run_sync
     from services.model_source import resolve_model
 
     model_path = resolve_model(recipe.policy.model_name)
@@ -318,7 +326,7 @@ def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
     assert all(r["gen_kl_error"] < 1.5e-3 for r in got)  # the probe after the skip compares v1 with v1
     assert _skipped_steps_counter(url) == before + 1
     assert httpx.get(f"{url}/v1/status", timeout=10).json()["version"] == 3
-    summary = job.ledger.summary()
+    summary = job.book.ledger.summary()
     assert summary["dropped_by_reason"].get("step_skipped") == recipe.grpo.num_prompts_per_step
     assert summary["trained"] == 3 * recipe.grpo.num_prompts_per_step
 
@@ -326,7 +334,7 @@ def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
 def test_sync_run_stops_after_max_consecutive_skipped_steps_with_the_reason(pool, tmp_path):
     """Skips at steps 2, 4 and 5 with ``grpo.max_consecutive_skipped_steps=2``: step 3 trains and resets the
     count, steps 4-5 are two in a row and stop the job, naming the learner's reason."""
-    from services.skips import SkippedStepsError
+    from services.job.skips import SkippedStepsError
 
     recipe, url = pool
     before = _skipped_steps_counter(url)

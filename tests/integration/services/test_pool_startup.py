@@ -31,8 +31,8 @@ def leftovers(name: str, num_engines: int, wait_s: float = 10.0) -> dict:
     import ray
     from ray import serve
 
-    from services.placement import colocation_group_name
-    from services.pool_startup import ENGINE_NAMESPACE, engine_name
+    from services.pool.placement import colocation_group_name
+    from services.pool.startup import ENGINE_NAMESPACE, engine_name
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -59,7 +59,7 @@ def model_dir() -> str:
 
 def test_a_placement_the_cluster_cannot_grant_fails_deploy_at_once_and_removes_the_app(ray_cluster):
     from services import pool as pool_api
-    from services.pool_startup import PoolStartError
+    from services.pool.startup import PoolStartError
 
     recipe = load_recipe(None, [*COLOCATED, "cluster.gpus_per_node=1", "rollout_pool.name=startup-no-gpu"])
     t0 = time.monotonic()
@@ -76,7 +76,7 @@ import ray
 from ray import serve
 from services import pool as pool_api
 from services.config import load_recipe
-from services.pool_startup import PoolStartError
+from services.pool.startup import PoolStartError
 sys.path.insert(0, sys.argv[1])
 from test_pool_startup import COLOCATED, leftovers, model_dir
 

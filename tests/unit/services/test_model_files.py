@@ -7,7 +7,8 @@ import hashlib
 import pytest
 
 from services import model_files
-from services.learner_actor import LearnerActor, start_ranks
+from services.config import load_recipe
+from services.job.learner_actor import LearnerActor, LearnerSpec, start_ranks
 from services.model_files import ModelFileHolder, ModelFiles, ModelFilesError, ensure_local
 
 
@@ -46,7 +47,8 @@ def test_rank_zero_reports_its_nodes_ip_and_a_free_port(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
-    host, port = LearnerActor(0, 2, {}).rendezvous_address()
+    spec = LearnerSpec.of(load_recipe(None, []), "model-dir")
+    host, port = LearnerActor(0, 2, spec).rendezvous_address()
     assert host == "10.0.0.7"
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))                                # free on this node

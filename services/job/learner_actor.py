@@ -1,0 +1,237 @@
+"""The learner as Ray actors: one :class:`learner.trainer.Learner` per rank.
+
+``LearnerGroup`` starts ``world_size`` actors (one per GPU, or one process on
+CPU), gives them a common ``torch.distributed`` rendezvous on rank 0's node
+(rank 0 reports its node's IP and a port free there, :func:`start_ranks`;
+the model's files are shipped to ranks whose node lacks them,
+:mod:`services.model_files`), and calls every
+method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
+Trajectories reach the actors as protocol bytes in the Ray object store and
+are decoded inside. Weights leave either as encoded ``WeightManifest`` /
+``WeightBucket`` bytes put in the object store by rank 0
+(``policy.refit_transport: object_store``) or, with ``collective``, straight
+from rank 0's device over a :class:`protocol.weight_transfer.WeightTransferGroup`
+that rank 0 opens with the pool's engines (NCCL on GPU, gloo on CPU).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from protocol import TrajectoryGroup, decode, encode
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+    from learner.trainer import Learner
+    from services.config import Recipe
+    from services.model_files import ModelFiles
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What every rank builds its :class:`learner.trainer.Learner` from (sent to each actor)."""
+
+    model: ModelFiles | str
+    """The model's files: a directory, or where to fetch them on nodes that lack it."""
+    megatron: MegatronConfig
+    loss: LossConfig
+    packing: SequencePackingConfig
+    max_total_sequence_length: int
+    normalize_rewards: bool
+    seed: int
+
+    @classmethod
+    def of(cls, recipe: Recipe, model: ModelFiles | str) -> LearnerSpec:
+        p = recipe.policy
+        return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
+                   recipe.grpo.normalize_rewards, recipe.grpo.seed)
+
+
+class LearnerActor:
+    def __init__(self, rank: int, world_size: int, spec: LearnerSpec):
+        """Cheap: the rank joins ``torch.distributed`` and builds its model in :meth:`setup`."""
+        self.rank, self.world_size = rank, world_size
+        self.spec = spec
+        self.learner: Learner  # built by setup()
+        self._weight_group = None
+        self._staged = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
+        import ray
+
+        from services.cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the ranks at ``master_addr:master_port`` and build the learner from the model's files (shipped
+        to this node if it does not have them, :mod:`services.model_files`); returns the policy version."""
+        from learner.trainer import Learner
+        from services.model_files import ensure_local
+
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        s = self.spec
+        self.learner = Learner(ensure_local(s.model), s.megatron, s.loss, s.packing, s.max_total_sequence_length,
+                               normalize_rewards=s.normalize_rewards, seed=s.seed)
+        return self.learner.policy_version
+
+    def version(self) -> int:
+        return self.learner.policy_version
+
+    def train_step(self, group_refs: list) -> dict:
+        import ray
+
+        groups = [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in ray.get(group_refs)]
+        metrics: dict = self.learner.train_step(groups)
+        metrics["skip_reason"] = self.learner.last_skip_reason  # "" when the step was applied
+        return metrics
+
+    def export_weights(self, bucket_bytes: int):
+        """Rank 0 returns ``(manifest_bytes, [bucket refs])``; other ranks take part and return None."""
+        import ray
+
+        exported = self.learner.export_weights(bucket_bytes)  # collective: every rank takes part
+        if self.rank != 0 or exported is None:  # None on every rank but 0
+            return None
+        manifest, buckets = exported
+        return encode(manifest), [ray.put(encode(b)) for b in buckets]
+
+    def weight_group_address(self) -> tuple[str, int] | None:
+        """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
+        import ray
+
+        from services.cluster import free_port
+
+        return (ray.util.get_node_ip_address(), free_port()) if self.rank == 0 else None
+
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0: open the weight group as its sender (returns once every engine worker joined)."""
+        from protocol.weight_transfer import WeightTransferGroup
+
+        if self.rank != 0:
+            return
+        self.leave_weight_group()
+        device = self.learner.device
+        self._weight_group = WeightTransferGroup(host, port, 0, world_size, device, timeout_s)
+
+    def leave_weight_group(self) -> None:
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            group.close()  # aborts, bounded; never raises
+
+    def stage_weights(self) -> None:
+        """Gather this version's HF tensors on rank 0's device (collective), ready for :meth:`send_staged`."""
+        self._staged = self.learner.export_weight_tensors()
+
+    def send_staged(self, bucket_bytes: int) -> dict | None:
+        """Rank 0: push the staged tensors to the weight group; returns the bytes and seconds."""
+        import time
+
+        if self.rank != 0:
+            return None
+        if self._weight_group is None or self._staged is None:
+            raise RuntimeError("send_staged: no weight group joined or nothing staged")
+        t0 = time.perf_counter()
+        staged, self._staged = self._staged, None
+        try:
+            manifest = self._weight_group.send(self.learner.policy_version, staged, bucket_bytes)
+        except Exception:
+            self.leave_weight_group()  # the receivers' collectives then fail at once instead of timing out
+            raise
+        return {"version": manifest.version, "bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        import numpy as np
+
+        out = self.learner.logprobs([np.asarray(p, np.int32) for p in prompt_ids],
+                                    [np.asarray(r, np.int32) for r in response_ids])
+        return [a.tolist() for a in out]
+
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.learner.save_checkpoint(path, extra if self.rank == 0 else None)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.learner.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        self.learner.save_hf(path)
+
+    def shutdown(self) -> None:
+        self.leave_weight_group()
+        self.learner.shutdown()
+
+
+def start_ranks(actors: list, wait: Callable[[list, str], Any]) -> tuple[str, int]:
+    """Meet the ranks where rank 0 runs: ask rank 0 for its node's IP and a port free there, then set every
+    rank up with that address (the driver's node may be another one). ``wait(refs, what)`` resolves refs."""
+    host, port = wait([actors[0].rendezvous_address.remote()], "rendezvous_address")
+    wait([a.setup.remote(host, port) for a in actors], "setup")
+    return host, port
+
+
+class LearnerGroup:
+    """All ranks of one learner job, driven in lockstep."""
+
+    def __init__(self, recipe: Recipe, model_path: ModelFiles | str, call_timeout_s: float = 1800.0,
+                 colocation: PlacementGroup | None = None):
+        """``model_path``: a model directory on this node, or :class:`~services.model_files.ModelFiles` (ranks on
+        nodes without the directory get its files shipped). ``colocation``: the pool's colocation placement
+        group (``pool.colocation_group``), which puts rank ``j`` on GPU slot ``j``, shared with the engine worker
+        there (engine ``j // k`` for ``k`` GPUs per engine, :mod:`services.gpu_layout`); None for separate pools
+        and CPU runs."""
+        import ray
+
+        from services.gpu_layout import PlacementError, check_learner_fits, colocation_bundles, learner_options
+        from services.model_files import ModelFiles, share
+
+        self.timeout = call_timeout_s
+        self._own_files = not isinstance(model_path, ModelFiles)
+        self.files = model_path if isinstance(model_path, ModelFiles) else share(model_path)
+        world = max(1, recipe.learner_gpus)
+        spec = LearnerSpec.of(recipe, self.files)
+        check_learner_fits(recipe, ray.cluster_resources().get("GPU", 0))
+        if colocation is None and colocation_bundles(recipe):
+            raise PlacementError("a colocated recipe on GPUs places its learner ranks in the pool's colocation "
+                                 "group, and the pool has none: deploy the pool from a recipe with "
+                                 "policy.generation.colocated.enabled=true")
+        if colocation is not None and len(colocation.bundle_specs) < world:
+            raise PlacementError(f"the pool's colocation group has {len(colocation.bundle_specs)} GPU bundles; "
+                                 f"this learner has {world} ranks (its recipe's cluster must match the pool's)")
+        self.actors = [ray.remote(LearnerActor).options(num_cpus=0, max_restarts=0,
+                                                        **learner_options(recipe, r, colocation)
+                                                        ).remote(r, world, spec) for r in range(world)]
+        self.master = start_ranks(self.actors, self.wait)  # surfaces construction errors here, bounded
+
+    def call(self, method: str, *args):
+        return self.wait(self.call_async(method, *args), method)
+
+    def call_async(self, method: str, *args) -> list:
+        """Start ``method`` on every rank; :meth:`wait` gives rank 0's answer."""
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def wait(self, refs: list, method: str):
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(refs, timeout=self.timeout)[0]
+        except GetTimeoutError:
+            raise TimeoutError(f"learner: {method} did not finish within {self.timeout:.0f} s") from None
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self.call("shutdown")
+        except Exception:  # noqa: BLE001 - killed below anyway
+            pass
+        for a in self.actors:
+            ray.kill(a)  # pyright: ignore[reportArgumentType] - typed as ActorProxy[LearnerActor]; an ActorHandle
+        if self._own_files and self.files.holder is not None:
+            ray.kill(self.files.holder)

@@ -1,0 +1,245 @@
+"""A learner job attached to a rollout pool: one verb for each line of the loops.
+
+:mod:`services.job.loop_async` and :mod:`services.job.loop_sync` call ``start``, ``steps``, ``schedule``,
+``collect``, ``train``, ``push_weights`` and ``finish_step`` (and, colocated, ``sleep_engines`` /
+``wake_engines``). The job holds the parts behind them: the prompt book (:mod:`services.job.prompt_book`),
+the parity probe (:mod:`services.job.parity`), the weight transport (:mod:`services.refit`), skipped steps
+(:mod:`services.job.skips`), the run log and checkpoints. It reaches the pool only through its
+DeploymentHandle; what each verb does is in ``docs/architecture.md`` ("The learner job").
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol import PromptRequest, encode
+from services.channel import ChannelTimeout, TrajectoryChannel
+from services.job.buffer import BufferedGroup
+from services.job.checkpoints import Checkpoints, JobState
+from services.job.parity import ParityProbe, fixed_sequences
+from services.job.prompt_book import PromptBook, Undelivered
+from services.job.prompt_source import PromptSource
+from services.job.run_log import RunLog, StepTimer
+from services.job.skips import SkippedSteps
+from services.refit import RefitResult, make_refit
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
+    from services.config import Recipe
+    from services.job.learner_actor import LearnerGroup
+
+log = logging.getLogger("inflight.job")
+REFIT_ATTEMPTS = 3
+UNDELIVERED_POLL_S = 5.0
+"""How often ``collect`` asks the pool for prompts its engines could not deliver to this job's channel."""
+ENGINE_SLEEP_TIMEOUT_S = 600.0
+
+
+class StepTimeout(TimeoutError):
+    """The pool did not deliver a step's groups in time."""
+
+
+class LearnerJob:
+    def __init__(self, recipe: Recipe, model_path: str, pool: DeploymentHandle, learner: LearnerGroup,
+                 run_dir: str | Path, resume: bool = True):
+        """Attach to ``pool`` with a new channel; with ``resume``, continue from the run directory's latest
+        checkpoint if there is one."""
+        self.recipe, self.pool, self.learner = recipe, pool, learner
+        self.id = f"learner-{uuid.uuid4().hex[:8]}"
+        g, gen = recipe.grpo, recipe.policy.generation
+        self.last_step, self.group_size = g.max_num_steps, g.num_generations_per_prompt
+        self.collect_timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
+        self.book = PromptBook(PromptSource.of_task(recipe, model_path), self._submit, g.num_prompts_per_step,
+                               g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0)
+        self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
+        self.step = 0
+        self.version = int(learner.call("version"))
+        self.refit = make_refit(recipe, pool, learner)
+        self.last_refit: RefitResult | None = None
+        self.pushed_version = -1  # the version last pushed to the engines
+        self.skips = SkippedSteps(g.max_consecutive_skipped_steps)
+        self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
+        self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled)
+        self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
+        if resume:
+            self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
+        if not self.parity.sequences:
+            self.parity.sequences = fixed_sequences([p.prompt_ids for p in self.book.source.prompts],
+                                                    recipe.logger.parity_probe_sequences,
+                                                    recipe.policy.max_total_sequence_length)
+        pool.attach.remote(self.id, self.channel).result(timeout_s=60)
+
+    # ------------------------------------------------------------ the loop's verbs
+    def start(self, prefetch: int) -> None:
+        """Install the learner's weights on the pool, probe every engine, and (re)submit outstanding prompts;
+        with none outstanding (a fresh run), schedule the next ``prefetch`` steps."""
+        self.push_weights(reset=True)
+        self.checked_parity()
+        if not self.book.resubmit_outstanding():
+            for step in range(self.step + 1, self.step + 1 + prefetch):
+                self.schedule(step)
+
+    def steps(self) -> Iterator[int]:
+        """The steps left to run, with a progress bar."""
+        from tqdm import tqdm
+
+        bar = tqdm(range(self.step + 1, self.last_step + 1), desc="GRPO", unit="step", initial=self.step,
+                   total=self.last_step, dynamic_ncols=True)
+        for step in bar:
+            yield step
+            row = self.log.rows[-1] if self.log.rows else {}
+            bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.3f}",
+                            age=f"{row.get('trajectory_age_mean', float('nan')):.2f}", v=self.version)
+
+    def schedule(self, step: int) -> None:
+        """Draw the prompts of ``step`` and submit them to the pool."""
+        self.book.schedule(step)
+
+    def collect(self, step: int) -> list[BufferedGroup]:
+        """Read the channel until ``num_prompts_per_step`` good groups for ``step`` are buffered (the book drops,
+        counts and replaces the others), within ``collect_timeout_s``; raises :class:`StepTimeout`."""
+        deadline = time.monotonic() + self.collect_timeout_s
+        next_poll = time.monotonic()  # at once, then every UNDELIVERED_POLL_S
+        ready = self.book.ready(step)
+        while True:
+            if time.monotonic() >= next_poll:
+                self.drop_undelivered()
+                next_poll = time.monotonic() + UNDELIVERED_POLL_S
+            now_ready = self.book.screen(step, self.version)
+            if now_ready > ready:
+                self.book.progressed()
+            ready = now_ready
+            self.book.submit_due()
+            if ready >= self.book.per_step:
+                return self.book.take(step)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StepTimeout(f"pool {self.recipe.rollout_pool.name!r}: only {ready}/{self.book.per_step} groups "
+                                  f"for step {step} after {self.collect_timeout_s:.0f} s ({self.book.losses()})")
+            due = self.book.next_due_in()
+            wait = min(left, 5.0) if due is None else min(left, 5.0, due)
+            try:
+                self.book.receive(self.channel.recv(max(0.01, wait)))
+            except ChannelTimeout:
+                if self.refit.engines_waiting():  # a restarted engine waits for our weights
+                    self.push_weights(reset=True)
+
+    def drop_undelivered(self) -> int:
+        """Drop and replace the open prompts whose groups the pool's engines could not put into this job's
+        channel; returns how many were dropped."""
+        records = self.pool.take_undelivered.remote(self.id).result(timeout_s=60)
+        return self.book.drop_undelivered([Undelivered.of(r) for r in records])
+
+    def train(self, buffered: list[BufferedGroup]) -> dict:
+        """One optimizer step on the learner ranks; a step the learner skips drops its prompts
+        (:mod:`services.job.skips`). Returns the learner's metrics with the groups' ages."""
+        import ray
+
+        # A fixed order (not arrival order): a seeded sync run then trains on the same batches, packed the same
+        # way, whether or not it was killed and resumed in between.
+        buffered = sorted(buffered, key=lambda b: (b.group.scheduled_step, b.group.prompt_id))
+        ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
+        metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered])
+        self.version = int(self.learner.call("version"))
+        self.book.settle(buffered, trained=not self.skips.record(metrics))
+        metrics["trajectory_ages"] = ages
+        metrics["trajectory_age_mean"] = float(np.mean(ages))
+        metrics["trajectory_age_max"] = float(np.max(ages))
+        return metrics
+
+    def sleep_engines(self) -> None:
+        """Free the engines' GPU memory for training (colocated sync runs)."""
+        self.pool.sleep_engines.remote().result(timeout_s=ENGINE_SLEEP_TIMEOUT_S)
+
+    def wake_engines(self) -> None:
+        """Give the engines their GPU memory back, before the push."""
+        self.pool.wake_engines.remote().result(timeout_s=ENGINE_SLEEP_TIMEOUT_S)
+
+    def push_weights(self, reset: bool = False) -> RefitResult | None:
+        """Push the learner's version; without ``reset``, nothing (None) if it was pushed already (skipped step)."""
+        if not reset and self.version == self.pushed_version:
+            self.last_refit = None
+            return self.last_refit
+        last = None
+        for attempt in range(1, REFIT_ATTEMPTS + 1):
+            try:
+                self.last_refit = self.refit.push(reset)
+                self.pushed_version = self.version
+                return self.last_refit
+            except Exception as exc:  # noqa: BLE001 - retried, then reported with the cause
+                last = exc
+                log.warning("refit attempt %d/%d failed: %s", attempt, REFIT_ATTEMPTS, exc)
+        raise RuntimeError(f"learner {self.id}: weight push v{self.version} failed {REFIT_ATTEMPTS} times; "
+                           f"last error: {last}")
+
+    def finish_step(self, step: int, metrics: dict, timer: StepTimer) -> dict:
+        """Probe parity, write the step's row (run log, the pool's Prometheus report), stop after too many
+        skipped steps in a row, save a checkpoint when one is due; returns the row."""
+        self.step = step
+        with timer.phase("parity_probe"):
+            parity = self.checked_parity()  # after a skipped step too: same weights, still a valid check
+        times = timer.summary()
+        times["other_s"] += times.pop("parity_probe_s", 0.0)
+        row = {"step": step, "policy_version": self.version, **times}
+        for k, v in metrics.items():
+            if k == "gen_kl_error":
+                row["train_gen_kl_error"] = v  # pi_gen vs pi_prev over the batch (includes lag-1 drift)
+            elif isinstance(v, (int, float)):
+                row[k] = v
+        row.update(parity)
+        refit = self.last_refit
+        row["refit_bytes"] = refit.bytes if refit else 0
+        if refit and refit.pause_seconds_max is not None:
+            row["refit_pause_s"] = refit.pause_seconds_max
+            row["refit_install_s"] = refit.install_seconds_max
+        row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
+        row["buffer_groups"] = len(self.book.buffer)
+        row.update({f"dropped_{k}": v for k, v in self.book.buffer.drops.items()})
+        if metrics.get("step_skipped"):
+            row["skip_reason"] = self.skips.last_reason
+        self.log.write(row)
+        report = {**row, "trajectory_ages": metrics.get("trajectory_ages", []), "rejected": self.book.take_rejected()}
+        self.pool.report_step.remote(report)
+        self.skips.check(step)  # too many skipped steps in a row stop the job, once their rows are written
+        if self.checkpoints.due(step, self.last_step):
+            self.save_checkpoint()
+        return row
+
+    def checked_parity(self) -> dict:
+        """Probe the engines (re)installed since their last probe (:mod:`services.job.parity`); on a failure push
+        the weights once more and probe again, then stop with ``ParityError``."""
+        return self.parity.checked(self.version, lambda: self.push_weights(reset=True))
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpoints.save(self.learner, JobState(self.step, self.book.state(), self.parity.sequences))
+
+    def close(self) -> None:
+        try:
+            self.pool.detach.remote(self.id).result(timeout_s=30)
+        except Exception:  # noqa: BLE001 - the pool may be gone already
+            pass
+        self.channel.close()
+        self.log.close()
+
+    # ------------------------------------------------------------ internals
+    def _resume(self) -> None:
+        found = self.checkpoints.load_latest(self.learner)
+        if found is None:
+            return
+        path, state = found
+        self.step = state.step
+        self.version = int(self.learner.call("version"))
+        self.book.restore(state.book)
+        self.parity.sequences = state.parity_set
+        self.log.truncate_after(self.step)  # keep the record consistent with the checkpoint
+        log.info("resumed from %s at step %d, version %d", path, self.step, self.version)
+
+    def _submit(self, requests: list[PromptRequest]) -> None:
+        self.pool.submit.remote([encode(r) for r in requests], self.group_size).result(timeout_s=120)

@@ -1,0 +1,200 @@
+"""The prompt book: where each prompt of a learner job stands, from its draw to its outcome.
+
+One object with three parts: the :class:`PromptLedger` (each prompt trained once or dropped with a
+reason, invariant 3), the :class:`TrajectoryBuffer` (groups by scheduled step, screened for age,
+invariant 2) and the :class:`ReplacementBackoff` (replacements of failed prompts wait). It draws
+prompts from the :class:`PromptSource`, hands them to the ``submit`` function it is given, reads the
+pool's messages, drops prompts with a reason and replaces them, and counts what it rejects. It
+knows nothing of Ray or of the pool: the job passes it bytes and records.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
+from services.job.backoff import ReplacementBackoff
+from services.job.buffer import BufferedGroup, TrajectoryBuffer
+from services.job.ledger import PromptLedger
+from services.job.prompt_source import PromptSource
+from services.job.skips import DROP_REASON
+
+log = logging.getLogger("inflight.job")
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """A prompt whose group an engine could not put into the job's channel (the pool's ``take_undelivered``)."""
+
+    prompt_id: str
+    scheduled_step: int
+    reason: str
+    engine_id: str | None = None
+
+    @classmethod
+    def of(cls, record: dict) -> Undelivered:
+        return cls(str(record["prompt_id"]), int(record["scheduled_step"]), str(record["reason"]),
+                   record.get("engine_id"))
+
+
+@dataclass
+class BookState:
+    """What a checkpoint keeps of the book (the keys of the learner checkpoint's ``extra``)."""
+
+    data_position: dict
+    ledger: dict
+    buffer: list[bytes]
+    open_requests: list[bytes]
+    drops: dict[str, int]
+
+
+class PromptBook:
+    def __init__(self, source: PromptSource, submit: Callable[[list[PromptRequest]], object], per_step: int,
+                 last_step: int, max_age: int, backoff: ReplacementBackoff | None = None):
+        """``submit(requests)`` sends prompts to the pool; ``per_step`` groups make a step; no prompt is drawn
+        for a step after ``last_step``; groups older than ``max_age`` versions are dropped as stale."""
+        self.source, self.submit = source, submit
+        self.per_step, self.last_step = per_step, last_step
+        self.ledger = PromptLedger()
+        self.buffer = TrajectoryBuffer(max_age)
+        self.backoff = backoff or ReplacementBackoff()
+        self.open_requests: dict[str, PromptRequest] = {}
+        """Scheduled prompts with no outcome yet, kept to resubmit them after a resume."""
+        self.rejected: dict[str, int] = {}
+        """Messages refused and prompts dropped since the last step's report, by reason."""
+        self.last_sample_error = ""
+        """Why a sample of the last group dropped for too few valid samples failed."""
+
+    # ------------------------------------------------------------ drawing and submitting
+    def schedule(self, step: int, n: int | None = None, delay_s: float = 0.0) -> None:
+        """Draw ``n`` (default ``per_step``) prompts for ``step`` and submit them, after ``delay_s``
+        (:mod:`services.job.backoff`); nothing for a step after ``last_step``."""
+        if step > self.last_step:
+            return
+        requests = self.source.next(n or self.per_step, step)
+        for r in requests:
+            self.ledger.schedule(r.prompt_id, step)
+            self.open_requests[r.prompt_id] = r
+        if delay_s > 0:
+            self.backoff.hold(requests, delay_s)
+        else:
+            self.submit(requests)
+
+    def resubmit_outstanding(self) -> bool:
+        """Submit the open prompts that have no group buffered (after a resume); False when there are none."""
+        buffered = {b.group.prompt_id for b in self.buffer.all_groups()}
+        pending = [self.open_requests[p] for p in self.ledger.pending() if p not in buffered]
+        if pending:
+            self.submit(pending)
+        return bool(pending)
+
+    def submit_due(self) -> None:
+        """Submit the held replacements whose time has come."""
+        held = self.backoff.due()
+        if held:
+            self.submit(held)
+
+    def next_due_in(self) -> float | None:
+        return self.backoff.next_due_in()
+
+    # ------------------------------------------------------------ what comes back
+    def receive(self, data: bytes) -> None:
+        """Account for one message from the channel: buffer a group, or drop and replace a failed prompt,
+        or count why it was refused (``malformed``, ``unexpected_group``, ``duplicate``, ``unexpected_kind``)."""
+        try:
+            msg = decode(data)
+        except ProtocolError as err:
+            self._reject("malformed")
+            log.warning("rejected a message from the pool: %s", err)
+            return
+        if isinstance(msg, TrajectoryGroup):
+            if msg.prompt_id not in self.ledger.scheduled:
+                self._reject("unexpected_group")
+            elif not self.ledger.is_open(msg.prompt_id) or not self.buffer.add(msg, data):
+                self._reject("duplicate")  # a re-queued prompt whose first group arrived too
+        elif isinstance(msg, ControlMessage) and msg.action == "error":
+            pid = str(msg.payload.get("prompt_id", ""))
+            if self.ledger.is_open(pid) and not self.buffer.holds(pid):
+                step = int(msg.payload.get("scheduled_step", self.ledger.scheduled[pid]))
+                self.drop(pid, "generation_failed", replace_for=step)
+        else:
+            self._reject("unexpected_kind")
+
+    def drop_undelivered(self, records: list[Undelivered]) -> int:
+        """Drop (reason ``undelivered``) and replace the open prompts of ``records`` that have no group
+        buffered; returns how many were dropped."""
+        dropped = 0
+        for u in records:
+            if self.ledger.is_open(u.prompt_id) and not self.buffer.holds(u.prompt_id):
+                log.warning("prompt %s (step %s) was not delivered by engine %s: %s", u.prompt_id,
+                            u.scheduled_step, u.engine_id, u.reason)
+                self.drop(u.prompt_id, "undelivered", replace_for=u.scheduled_step)
+                dropped += 1
+        return dropped
+
+    def screen(self, step: int, version: int) -> int:
+        """Drop and replace the buffered groups of ``step`` too old for ``version`` or with too few valid
+        samples; returns how many good groups ``step`` has."""
+        for group, reason in self.buffer.screen(step, version):
+            if reason == "too_few_valid_samples":
+                self.last_sample_error = next((t.error for t in group.trajectories if t.error),
+                                              self.last_sample_error)
+            self.drop(group.prompt_id, reason, replace_for=step)
+        return self.buffer.ready(step)
+
+    def progressed(self) -> None:
+        """A group passed screening: failures are no longer in a row."""
+        self.backoff.succeeded()
+
+    def ready(self, step: int) -> int:
+        return self.buffer.ready(step)
+
+    def take(self, step: int) -> list[BufferedGroup]:
+        """The step's ``per_step`` screened groups."""
+        return self.buffer.take(step, self.per_step)
+
+    def settle(self, groups: list[BufferedGroup], trained: bool) -> None:
+        """The groups of a train step: trained, or dropped as ``step_skipped`` (:mod:`services.job.skips`)."""
+        for b in groups:
+            if trained:
+                self.ledger.mark_trained(b.group.prompt_id, b.group.scheduled_step)
+            else:
+                self.ledger.mark_dropped(b.group.prompt_id, DROP_REASON)
+            self.open_requests.pop(b.group.prompt_id, None)
+
+    def drop(self, prompt_id: str, reason: str, replace_for: int) -> None:
+        """Drop an open prompt with ``reason`` and draw its replacement for step ``replace_for``."""
+        self.ledger.mark_dropped(prompt_id, reason)
+        self.open_requests.pop(prompt_id, None)
+        self._reject(reason)
+        self.schedule(replace_for, n=1, delay_s=self.backoff.delay_after(reason))
+
+    def take_rejected(self) -> dict[str, int]:
+        """The counts since the last call (for the step's report), cleared."""
+        out, self.rejected = dict(self.rejected), {}
+        return out
+
+    def losses(self) -> str:
+        """What became of the prompts so far, for a step timeout's message."""
+        dropped = self.ledger.summary()["dropped_by_reason"]
+        return (f"prompts dropped so far, by reason: {dropped or 'none'}; {len(self.ledger.pending())} still pending"
+                + (f"; last failed sample: {self.last_sample_error}" if self.last_sample_error else ""))
+
+    def _reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    # ------------------------------------------------------------ checkpoints
+    def state(self) -> BookState:
+        return BookState(self.source.position(), self.ledger.state(), [b.data for b in self.buffer.all_groups()],
+                         [encode(r) for r in self.open_requests.values()], dict(self.buffer.drops))
+
+    def restore(self, state: BookState) -> None:
+        self.source.seek(state.data_position)
+        self.ledger = PromptLedger.from_state(state.ledger)
+        for data in state.buffer:
+            self.buffer.add(cast(TrajectoryGroup, decode(data, expect=TrajectoryGroup)), data)
+        requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in state.open_requests]
+        self.open_requests = {r.prompt_id: r for r in requests}
+        self.buffer.drops.update(state.drops)

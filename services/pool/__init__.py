@@ -1,0 +1,83 @@
+"""The rollout pool: a named Ray Serve application that outlives learners.
+
+A learner job attaches by name (:func:`connect`), gives the pool its trajectory
+channel, submits prompts and pushes weights; when it goes away the pool keeps
+serving its last version. This module is the pool's public face: :func:`deploy`,
+:func:`connect`, :func:`shutdown`, :func:`http_port` and the deployment
+:class:`RolloutPool`. Its parts: ``deployment`` (the Serve class and HTTP),
+``fleet`` and ``engine_table`` (the engines), ``dispatch`` (prompts and re-queue),
+``watcher`` (health), ``startup`` and ``placement`` (boot), ``engine_actor``,
+``metrics``. The pool wing imports nothing from the job wing (``services.job``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+
+from services.cluster import free_port
+from services.pool.deployment import RolloutPool
+
+if TYPE_CHECKING:
+    from services.config import Recipe
+
+__all__ = ["RolloutPool", "connect", "deploy", "http_port", "shutdown"]
+
+
+def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
+    """Start (or update) the pool application on the connected Ray cluster and wait until it is ready. A pool
+    that does not start is removed (Serve application, engines, colocation group) and
+    :class:`~services.pool.startup.PoolStartError` gives the reason. ``model_path``: a model directory on this
+    node (registered with :func:`services.model_files.share` so that engines on other nodes get its files) or
+    a :class:`~services.model_files.ModelFiles`."""
+    from services.model_files import ModelFiles, release, share
+    from services.pool.startup import PoolStartError, reason, remove_pool
+
+    name = recipe.rollout_pool.name
+    if not isinstance(model_path, ModelFiles):
+        model_path = share(model_path, owner=name)
+    http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or free_port()}
+    serve.start(http_options=http)
+    try:
+        handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
+                           name=name, route_prefix="/", blocking=False)
+        status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+        why = None if status.get("ready") else ("; ".join(status.get("errors") or [])
+                                                or f"engines not ready: {status.get('engines')}")
+    except Exception as exc:  # noqa: BLE001 - the pool is removed and the reason raised below
+        why = reason(exc)
+    if why is not None:
+        remove_pool(name, recipe.rollout_pool.num_engines)
+        release(name)
+        raise PoolStartError(f"rollout pool {name!r} did not start: {why} (its Serve application, engines and "
+                             f"placement group were removed)")
+    status["http"] = f"http://{http['host']}:{http_port()}"
+    return status
+
+
+def connect(name: str) -> Any:
+    """DeploymentHandle of a running pool; a clear error if there is none."""
+    try:
+        return serve.get_app_handle(name)
+    except Exception as exc:  # noqa: BLE001 - Serve raises several types here
+        raise RuntimeError(f"no rollout pool named {name!r} on this Ray cluster ({type(exc).__name__}: {exc}); "
+                           f"deploy one with `inflight pool deploy`") from None
+
+
+def http_port() -> int:
+    """Port of the Serve HTTP proxy on this cluster."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("Ray Serve is not running on this cluster")
+    return client.http_config.port
+
+
+def shutdown(name: str) -> None:
+    from services.model_files import release
+
+    handle = connect(name)
+    handle.shutdown_engines.remote().result(timeout_s=300)
+    serve.delete(name)
+    release(name)

@@ -1,0 +1,187 @@
+"""The rollout pool's Serve deployment: the learner's handle API and the HTTP routes, delegating to the parts.
+
+One replica is the pool's controller and HTTP ingress: ``GET /healthz``,
+``/readyz`` (503 until every engine is loaded at a known version), ``/metrics``
+(Prometheus), ``/v1/status``, and ``POST /v1/admin/{pause,resume,drain}`` with
+``Authorization: Bearer <token>``. The work is done by the parts it builds:
+the :class:`~services.pool.fleet.Fleet` (engines, their table), the
+:class:`~services.pool.dispatch.Dispatcher` (prompts), the
+:class:`~services.pool.watcher.HealthWatcher`, and the pool halves of the
+weight transports (:mod:`services.refit`). Serve copies this class into the
+replica: everything it uses is imported at the top of this module.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Header, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+
+from services.config import Recipe
+from services.pool.dispatch import Dispatcher
+from services.pool.fleet import Fleet
+from services.pool.metrics import PoolMetrics
+from services.pool.watcher import HealthWatcher
+from services.refit.collective import GroupPlan, WeightGroup
+from services.refit.object_store import ObjectStoreFanout
+from services.refit.result import RefitResult
+
+app = FastAPI(title="Inflight rollout pool", version="1")
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60)
+@serve.ingress(app)
+class RolloutPool:
+    def __init__(self, recipe_json: str, model_path: Any, admin_token: str):
+        self.recipe = Recipe.model_validate_json(recipe_json)
+        self.name = self.recipe.rollout_pool.name
+        self._token = admin_token
+        self.metrics = PoolMetrics()
+        self.fleet = Fleet(self.recipe, model_path, self.metrics)
+        self.dispatcher = Dispatcher(self.fleet)
+        self.fanout = ObjectStoreFanout(self.fleet)
+        self.group = WeightGroup(self.fleet)
+        self.watcher = HealthWatcher(self.fleet, self.dispatcher, self.fanout.reinstall)
+        self._boot: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        """Start the engines and the health watcher on the loop that serves requests.
+
+        (Not in the constructor: with a FastAPI ingress Serve runs ``__init__`` on a loop that stops
+        afterwards, which would freeze any task started there — measured.)"""
+        if self._boot is None:
+            loop = asyncio.get_running_loop()
+            self._boot = loop.create_task(self.fleet.start())
+            self._monitor = loop.create_task(self.watcher.watch())
+
+    # ------------------------------------------------------------ learner API (DeploymentHandle)
+    async def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        self._ensure_started()
+        await asyncio.wait_for(self.fleet.ready.wait(), timeout_s)
+        return await self.status()
+
+    async def attach(self, learner_id: str, channel: Any) -> dict:
+        self._ensure_started()
+        self.dispatcher.attach(learner_id, channel)
+        return await self.status()
+
+    async def detach(self, learner_id: str) -> None:
+        self.dispatcher.detach(learner_id)
+
+    async def take_undelivered(self, learner_id: str) -> list[dict]:
+        return self.dispatcher.take_undelivered(learner_id)
+
+    async def submit(self, prompt_bytes: list[bytes], group_size: int) -> int:
+        return self.dispatcher.submit(prompt_bytes, group_size)
+
+    async def push(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False,
+                   timeout_s: float | None = None) -> RefitResult:
+        """An object-store push: every engine that is up installs it (:class:`ObjectStoreFanout`)."""
+        return await self.fanout.push(manifest_bytes, bucket_refs, reset, timeout_s)
+
+    async def weight_group_current(self) -> bool:
+        return self.group.current()
+
+    async def engines_wanting_weights(self) -> list[str]:
+        return self.group.wanting_weights()
+
+    async def weight_group_plan(self, timeout_s: float) -> GroupPlan:
+        return await self.group.plan(timeout_s)
+
+    async def join_weight_group(self, host: str, port: int, plan: GroupPlan, timeout_s: float) -> GroupPlan:
+        return await self.group.join(host, port, plan, timeout_s)
+
+    async def install_group_push(self, reset: bool = False, timeout_s: float | None = None) -> RefitResult:
+        """A collective push: every engine of the weight group installs it (:class:`WeightGroup`)."""
+        return await self.group.install(reset, timeout_s)
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                          engine_id: str | None = None) -> list[list[float]]:
+        return await self.fleet.logprobs_of(prompt_ids, response_ids, engine_id)
+
+    async def sleep_engines(self) -> None:
+        await self.fleet.sleep()
+
+    async def wake_engines(self) -> None:
+        await self.fleet.wake()
+
+    async def report_step(self, report: dict) -> None:
+        self.metrics.record_step(report)
+
+    async def engine_stats(self) -> dict[str, dict]:
+        return await self.fleet.engine_stats()
+
+    async def status(self) -> dict:
+        self._ensure_started()
+        d = self.dispatcher
+        return {"name": self.name, "version": self.fleet.version, "ready": self.fleet.is_ready(),
+                "pid": os.getpid(), "learner": d.learner_status(), "paused": d.paused, "draining": d.draining,
+                "engines": self.fleet.table.as_dict(), "uptime_s": time.time() - self.fleet.started_at,
+                "requeued_prompts": d.requeued_prompts, "waiting_prompts": d.waiting_prompts(),
+                "undelivered_prompts": len(d.undelivered), "errors": self.fleet.errors[-5:]}
+
+    async def shutdown_engines(self) -> None:
+        await self.fleet.shutdown()
+
+    def colocation_group(self) -> Any:
+        """The colocation placement group (colocated recipes on GPUs; None otherwise): learner rank ``j`` takes
+        half of GPU slot ``j``, engine ``i`` of ``k`` GPUs the slots ``k*i .. k*i+k-1``
+        (:mod:`services.gpu_layout`). A learner job places its ranks with it."""
+        return self.fleet.colocation
+
+    def check_health(self) -> None:
+        """Serve's periodic replica health check: fails if the health watcher died."""
+        if self._monitor is not None and self._monitor.done() and not self._monitor.cancelled():
+            raise RuntimeError(f"pool monitor stopped: {self._monitor.exception()!r}")
+
+    # ------------------------------------------------------------ HTTP
+    @app.get("/healthz")
+    async def healthz(self):
+        return {"status": "ok", "pool": self.name}
+
+    @app.get("/readyz")
+    async def readyz(self, response: Response):
+        ready = self.fleet.is_ready()
+        if not ready:
+            response.status_code = 503
+        table = self.fleet.table
+        return {"ready": ready, "version": self.fleet.version, "learner_attached": self.dispatcher.learner is not None,
+                "engines": {e: table[e].up for e in table}}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(self):
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def status_endpoint(self):
+        return await self.status()
+
+    def _authorize(self, authorization: str | None) -> None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._token.encode()):
+            raise HTTPException(status_code=401, detail="admin endpoints need 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/v1/admin/pause")
+    async def admin_pause(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        self.dispatcher.paused = True
+        return {"paused": True}
+
+    @app.post("/v1/admin/resume")
+    async def admin_resume(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        return {"paused": False, "released_batches": self.dispatcher.resume()}
+
+    @app.post("/v1/admin/drain")
+    async def admin_drain(self, authorization: str | None = Header(default=None)):
+        self._authorize(authorization)
+        self.dispatcher.draining = True
+        return {"draining": True}

@@ -1,0 +1,222 @@
+"""A Ray actor hosting one :class:`rollout.engine.RolloutEngine`, built from an :class:`EngineSpec`.
+
+The pool creates ``num_engines`` of these (named, detached, restarted by Ray if
+their process dies). ``generate`` streams each finished group of a batch into
+the learner's trajectory channel and returns once every prompt was delivered or
+given up on (a prompt whose generation failed is reported as a
+``ControlMessage(action="error")``; one the channel did not take in time comes
+back as *undelivered*). If the vLLM engine core dies inside the live actor,
+nothing is reported failed: ``generate`` hands the pending prompts back for
+re-queueing, installs raise :class:`~rollout.liveness.EngineDead`, and ``start``
+starts a fresh vLLM engine in the same process (a new *incarnation*). The pool
+keeps each call's reference as the batch's completion signal. Faults:
+docs/reliability.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
+from rollout.config import GenerationConfig
+from rollout.liveness import EngineDead
+from services.model_files import ModelFiles
+from services.refit.result import GroupInstall
+
+if TYPE_CHECKING:
+    from services.config import Recipe
+
+log = logging.getLogger("inflight.engine")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine actor is built from."""
+
+    engine_id: str
+    model_path: str | ModelFiles
+    """A model directory, or :class:`~services.model_files.ModelFiles` (shipped if this node lacks it)."""
+    generation: GenerationConfig
+    max_model_len: int
+    reward_fn: str
+    reward_timeout_s: float
+    recompute_kv: bool
+    """Recompute the KV cache of running requests after an in-flight install."""
+    in_flight: bool
+    """Install pushes while requests run (pause, install, resume) instead of between batches."""
+    channel_timeout_s: float
+    """Longest a send waits for room in the learner's channel."""
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles) -> EngineSpec:
+        a = recipe.grpo.async_grpo
+        return cls(engine_id, model_path, recipe.policy.generation, recipe.policy.max_total_sequence_length,
+                   recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
+                   a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s)
+
+
+class EngineActor:
+    def __init__(self, spec: EngineSpec):
+        from rollout.engine import RolloutEngine
+        from rollout.rewards import get_reward_fn
+        from services.model_files import ensure_local
+
+        self.engine_id = spec.engine_id
+        model_path = ensure_local(spec.model_path)  # a ModelFiles: shipped here if this node lacks the directory
+        self._new_engine = functools.partial(
+            RolloutEngine, model_path, spec.generation, spec.max_model_len,
+            reward_fn=get_reward_fn(spec.reward_fn), engine_id=spec.engine_id,
+            recompute_kv_cache_after_weight_updates=spec.recompute_kv, in_flight_weight_updates=spec.in_flight,
+            reward_timeout_s=spec.reward_timeout_s)
+        self.engine = self._new_engine()
+        self.channel_timeout_s = spec.channel_timeout_s
+        self._tasks: set[asyncio.Task] = set()
+        self._started = False
+        self._starts = 0
+        self._start_lock = asyncio.Lock()
+        self._send_failures = 0
+        self.pid = os.getpid()
+
+    @property
+    def incarnation(self) -> str:
+        """``<pid>.<vLLM starts>``: changes when the process or its vLLM engine restarts (the pool's weight
+        group is made of incarnations: a vLLM restarted in the same process is not in it)."""
+        return f"{self.pid}.{self._starts}"
+
+    async def start(self) -> dict:
+        """Start the vLLM engine. If the one started before has died, shut it down first (its /dev/shm
+        segments are freed) and start a fresh one: it serves the model on disk (``version`` 0, no push)."""
+        async with self._start_lock:
+            if self._started and (reason := self.engine.dead_reason()):
+                log.warning("engine %s: %s; restarting vLLM in this process", self.engine_id, reason)
+                dead, self.engine, self._started = self.engine, self._new_engine(), False
+                try:
+                    await asyncio.wait_for(dead.shutdown(), 120)
+                except Exception:  # noqa: BLE001 - a dead engine's shutdown must not stop the restart
+                    log.exception("engine %s: shutting the dead vLLM engine down failed", self.engine_id)
+            if not self._started:
+                await self.engine.start()
+                self._started, self._starts = True, self._starts + 1
+        return {"engine_id": self.engine_id, "version": self.engine.version, "pid": self.pid,
+                "incarnation": self.incarnation}
+
+    async def health(self) -> dict:
+        """``ok`` only while vLLM itself can serve (its engine core alive), with the reason otherwise;
+        ``synced``: a push was installed since this vLLM engine started."""
+        error = self.engine.dead_reason() if self._started else "vLLM engine not started"
+        return {"engine_id": self.engine_id, "ok": not error, "error": error, "version": self.engine.version,
+                "synced": self.engine.stats()["refits"] > 0, "running_batches": len(self._tasks),
+                "pid": self.pid, "incarnation": self.incarnation}
+
+    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> dict:
+        """Generate one group per prompt, streaming each into ``channel``; returns once every prompt has been
+        delivered (as a group or an error report) or given up on: ``{"prompts": n, "undelivered": [{"prompt_id",
+        "scheduled_step", "reason"}, ...]}`` (prompts whose message the channel did not take in time). If
+        the vLLM engine core dies meanwhile, the prompts not yet delivered are neither reported nor failed:
+        ``"engine_dead"`` gives the reason and ``"requeue"`` their indices in ``prompt_bytes``, for the pool."""
+        requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in prompt_bytes]
+        task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        undelivered, pending, dead = await task
+        return {"prompts": len(requests), "undelivered": undelivered, "engine_dead": dead,
+                "requeue": [i for i, r in enumerate(requests) if dead and r.prompt_id in pending]}
+
+    async def _run(self, requests: list[PromptRequest], group_size: int,
+                   channel) -> tuple[list[dict], dict[str, PromptRequest], str]:
+        """(undelivered, pending, engine_dead): see :meth:`generate`."""
+        pending = {r.prompt_id: r for r in requests}
+        undelivered: list[dict] = []
+        try:
+            async for group in self.engine.generate(requests, group_size):
+                pending.pop(group.prompt_id, None)
+                failure = await self._send(channel, encode(group))
+                if failure:
+                    undelivered.append({"prompt_id": group.prompt_id, "scheduled_step": group.scheduled_step,
+                                        "reason": failure})
+        except EngineDead as exc:  # nothing reported: the pool re-queues the pending prompts
+            log.warning("engine %s: %s; %d prompts of the batch go back to the pool", self.engine_id, exc,
+                        len(pending))
+            return undelivered, pending, str(exc)[:300]
+        except Exception as exc:  # noqa: BLE001 - reported per prompt below
+            log.exception("engine %s: generation failed", self.engine_id)
+            for pid, req in pending.items():
+                msg = ControlMessage("error", {"prompt_id": pid, "scheduled_step": req.scheduled_step,
+                                              "engine_id": self.engine_id,
+                                              "reason": f"generation failed: {type(exc).__name__}: {exc}"[:500]},
+                                     time.time())
+                failure = await self._send(channel, encode(msg))
+                if failure:
+                    undelivered.append({"prompt_id": pid, "scheduled_step": req.scheduled_step,
+                                        "reason": f"{msg.payload['reason']}; then {failure}"[:500]})
+        return undelivered, pending, ""
+
+    async def _send(self, channel, data: bytes) -> str:
+        """Send one message; '' if it was delivered, else the reason it was not (counted, never raised)."""
+        try:
+            await channel.send_async(data, self.channel_timeout_s)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - reported to the pool as undelivered; the engine goes on
+            self._send_failures += 1
+            log.warning("engine %s: could not deliver a message to channel %s: %s", self.engine_id, channel.name,
+                        exc)
+            return f"channel send failed: {type(exc).__name__}: {exc}"[:300]
+
+    async def install(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:
+        """Install an object-store push (verified first; atomic); returns the version now served."""
+        manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
+        datas = await asyncio.gather(*bucket_refs)
+        buckets = [cast(WeightBucket, decode(d, expect=WeightBucket)) for d in datas]
+        return await self._unless_dead(self.engine.install(manifest, buckets, reset=reset))
+
+    async def _unless_dead(self, call):
+        """Await ``call``; a failure of an engine whose core died is raised as :class:`EngineDead` (the pool
+        then marks it down and restarts it instead of rejecting a push)."""
+        try:
+            return await call
+        except EngineDead:
+            raise
+        except Exception as exc:
+            if reason := self.engine.dead_reason():
+                raise EngineDead(f"rollout engine {self.engine_id}: {reason}: {type(exc).__name__}") from exc
+            raise
+
+    async def weight_group_members(self) -> int:
+        return self.engine.weight_group_members
+
+    async def join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
+                                timeout_s: float) -> list[int]:
+        return await self._unless_dead(self.engine.join_weight_group(host, port, rank_base, world_size, timeout_s))
+
+    async def install_from_group(self, reset: bool = False) -> GroupInstall:
+        """Receive the weight group's next push and install it in flight."""
+        version = await self._unless_dead(self.engine.install_from_group(reset=reset))
+        s = self.engine.stats()
+        return GroupInstall(version=version, bytes=s["refit_bytes_last"], pause_s=s["pause_seconds_last"],
+                            install_s=s["install_seconds_last"], install_path=s["install_path_last"])
+
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        out = await self.engine.logprobs_of(prompt_ids, response_ids)
+        return [a.tolist() for a in out]
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
+                 running_batches=len(self._tasks), pid=self.pid, incarnation=self.incarnation)
+        return s
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await self.engine.shutdown()

@@ -1,0 +1,113 @@
+"""Weights through the Ray object store (``policy.refit_transport: object_store``): both ends.
+
+The learner **pushes** (:class:`ObjectStoreRefit`): rank 0 exports the HF-named
+weights to host memory as CRC32-checked ``protocol.WeightBucket`` s in the
+object store and hands their references to the pool. The pool fans them out
+(:class:`ObjectStoreFanout`): it keeps its own copy, for engines that restart
+later, and every engine that is up **installs** them (atomic per engine); the
+pool's version advances only if every engine that is up installed it. Works on
+any hardware; costs a device-to-host copy, a CRC32 and a file per push.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from protocol import WeightManifest, decode
+from services.refit.result import RefitResult, engine_gone
+
+if TYPE_CHECKING:
+    from services.config import Recipe
+    from services.pool.fleet import Fleet
+
+
+class ObjectStoreRefit:
+    """The learner's side: buckets through the Ray object store (the pool keeps them for engines that restart)."""
+
+    def __init__(self, recipe: Recipe, pool: Any, learner: Any):
+        self.pool, self.learner = pool, learner
+        self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
+        # the pool waits up to refit_timeout_s for an engine, again for the buckets, again for the engines
+        self.timeout_s = 3 * recipe.policy.refit_timeout_s + 60
+
+    def push(self, reset: bool) -> RefitResult:
+        manifest, refs = self.learner.call("export_weights", self.bucket_bytes)
+        return self.pool.push.remote(manifest, refs, reset).result(timeout_s=self.timeout_s)
+
+    def engines_waiting(self) -> bool:
+        """The pool reinstalls its latest push on restarted engines itself: none ever wait for the learner."""
+        return False
+
+
+class ObjectStoreFanout:
+    """The pool's side: every engine that is up installs the push; the pool keeps it for those that restart."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+
+    async def push(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False,
+                   timeout_s: float | None = None) -> RefitResult:
+        """Install one version on every engine that is up, within ``timeout_s`` (default
+        ``policy.refit_timeout_s``) for the buckets and again for the engines. Engines that are down, or die
+        during the push, get it from the watcher before they serve again."""
+        import ray
+
+        from services.pool.fleet import KeptPush
+
+        fleet = self.fleet
+        timeout_s = timeout_s or fleet.recipe.policy.refit_timeout_s
+        t0 = time.perf_counter()
+        await fleet.some_engine_up(timeout_s)
+        async with fleet.refit_lock:
+            try:
+                manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
+                # The pool keeps its own copy of the buckets for engines that restart later.
+                datas = await asyncio.wait_for(asyncio.gather(*bucket_refs), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - classified, counted and raised with the cause
+                raise fleet.refit_failed("?", {"pool": exc}) from None
+            owned = [ray.put(d) for d in datas]
+            targets = fleet.table.up()
+            # An engine that installed this very version in an attempt that failed elsewhere keeps it: the
+            # learner's retry would otherwise be rejected there as "not newer" (a reset push installs again).
+            installed = [] if reset else [e for e in targets if fleet.table[e].version == manifest.version]
+            targets = [e for e in targets if e not in installed]
+            results = await asyncio.gather(*[self._install(eid, manifest_bytes, owned, reset, timeout_s)
+                                             for eid in targets], return_exceptions=True)
+            failed: dict[str, BaseException] = {}
+            for eid, res in zip(targets, results, strict=True):
+                if not isinstance(res, BaseException):
+                    installed.append(eid)
+                elif engine_gone(res):  # restarted later with the latest weights
+                    fleet.mark_down(eid, res)
+                else:
+                    failed[eid] = res
+            if failed or not installed:
+                raise fleet.refit_failed(manifest.version, failed or {"pool": RuntimeError("no engine is up")})
+            seconds = time.perf_counter() - t0
+            fleet.version, fleet.kept = manifest.version, KeptPush(manifest_bytes, owned)
+            fleet.metrics.policy_version.set(fleet.version)
+            fleet.metrics.refit_seconds.observe(seconds)
+            fleet.metrics.refit_bytes.inc(manifest.total_bytes * len(installed))
+            return RefitResult(version=fleet.version, seconds=seconds, bytes=manifest.total_bytes,
+                               engines=len(installed))
+
+    async def reinstall(self, eid: str) -> bool:
+        """Install the kept push on ``eid`` (``reset=True``: a restarted engine, whatever version it holds);
+        False if the pool keeps none any more (a collective push landed meanwhile)."""
+        async with self.fleet.refit_lock:
+            # Read again under the lock: a push may have landed meanwhile. A collective one clears the kept
+            # push (reading it unchecked raised TypeError and marked a healthy engine down).
+            kept = self.fleet.kept
+            if kept is None:
+                return False
+            await self._install(eid, kept.manifest_bytes, kept.refs, reset=True)
+            return True
+
+    async def _install(self, eid: str, manifest_bytes: bytes, refs: list, reset: bool,
+                       timeout_s: float | None = None) -> int:
+        timeout_s = timeout_s or self.fleet.recipe.policy.refit_timeout_s
+        version = await asyncio.wait_for(self.fleet.handles[eid].install.remote(manifest_bytes, refs, reset),
+                                         timeout_s)
+        self.fleet.table.set_version(eid, version)
+        return version

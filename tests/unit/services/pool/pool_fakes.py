@@ -1,0 +1,76 @@
+"""Fakes for the pool's parts: engine-actor handles, and the parts built on a fleet of them (no Ray, no Serve)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.config import load_recipe
+from services.pool.dispatch import Dispatcher
+from services.pool.fleet import Fleet
+from services.pool.metrics import PoolMetrics
+from services.pool.watcher import HealthWatcher
+from services.refit.collective import WeightGroup
+from services.refit.object_store import ObjectStoreFanout
+
+
+class Method:
+    """``handle.method.remote(*args)`` like a Ray actor handle: the coroutine (or value) ``fn`` returns."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeEngine:
+    """``health``/``start``/``stats`` like an EngineActor handle; ``start`` can be held open."""
+
+    def __init__(self, ok: bool):
+        self.ok, self.health_calls, self.starts, self.slow, self.version = ok, 0, 0, False, 0
+        self.release = asyncio.Event()
+        self.health = Method(self._health)
+        self.start = Method(self._start)
+        self.stats = Method(self._stats)
+
+    async def _health(self):
+        self.health_calls += 1
+        if self.slow:
+            await asyncio.sleep(3600)
+        return {"ok": self.ok, "version": self.version, "pid": 1, "incarnation": f"1.{self.starts}"}
+
+    async def _start(self):
+        self.starts += 1
+        await self.release.wait()  # vLLM takes tens of seconds to start
+        self.ok = True
+
+    async def _stats(self):
+        return {"pid": 1, "tokens_generated": 0, "groups": 0}
+
+
+def fleet_of(engines: dict, version: int = 0) -> Fleet:
+    """A booted fleet of ``engines`` (handles), every one up at ``version``."""
+    fleet = Fleet(load_recipe(None, []), "/no/model", PoolMetrics())
+    fleet.handles = dict(engines)
+    for eid in engines:
+        fleet.mark_up(eid, version, 1, "1.0")
+    fleet.ready.set()
+    return fleet
+
+
+@dataclass
+class Pool:
+    """The parts a RolloutPool replica builds, without Serve."""
+
+    fleet: Fleet
+    dispatcher: Dispatcher
+    fanout: ObjectStoreFanout
+    group: WeightGroup
+    watcher: HealthWatcher
+
+
+def pool_of(engines: dict, period_s: float = 0.01, timeout_s: float = 10.0) -> Pool:
+    fleet = fleet_of(engines)
+    dispatcher, fanout = Dispatcher(fleet), ObjectStoreFanout(fleet)
+    return Pool(fleet, dispatcher, fanout, WeightGroup(fleet),
+                HealthWatcher(fleet, dispatcher, fanout.reinstall, period_s=period_s, timeout_s=timeout_s))

@@ -1,0 +1,107 @@
+"""Object-store pushes, the pool's fan-out: a push rejected by one engine is rejected as a whole, and its retry is
+not rejected by the engines that installed it the first time."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from protocol import WeightManifest, decode, encode
+from protocol.weights import pack_buckets
+from rollout.weight_receiver import WeightUpdateError
+from services.config import load_recipe
+from services.pool.fleet import Fleet
+from services.pool.metrics import PoolMetrics
+from services.refit import RefitError, RefitResult
+from services.refit.object_store import ObjectStoreFanout
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+def fleet_of(engines: dict) -> Fleet:
+    fleet = Fleet(load_recipe(None, []), "/no/model", PoolMetrics())
+    fleet.handles = dict(engines)
+    for eid in engines:
+        fleet.mark_up(eid, 0, 1, "1.0")
+    return fleet
+
+
+class FakeInstaller:
+    """``install`` like an EngineActor handle: installs a version once, rejects it as not newer after that
+    (like rollout.weight_receiver), and fails its first ``fail_first`` calls."""
+
+    def __init__(self, fail_first: int = 0):
+        self.version, self.calls, self.fail_first = 0, 0, fail_first
+        self.install = Method(self._install)
+
+    async def _install(self, manifest_bytes, refs, reset):
+        self.calls += 1
+        v = decode(manifest_bytes, expect=WeightManifest).version
+        if self.calls <= self.fail_first:
+            raise WeightUpdateError(f"weight push v{v} rejected: bucket 0 checksum mismatch")
+        if v <= self.version and not reset:
+            raise WeightUpdateError(f"weight push rejected: manifest.version {v} must be greater than the version "
+                                    f"being served ({self.version})")
+        self.version = v
+        return v
+
+
+def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engines_that_installed_it(monkeypatch):
+    """A push that one engine rejected is retried by the learner; the engines that installed it the first time
+    keep it instead of rejecting the retry as not newer (the retry used to fail on every attempt)."""
+    import ray
+
+    monkeypatch.setattr(ray, "put", lambda data: data)
+    manifest, buckets = pack_buckets([("w", "float32", (2,), np.zeros(8, np.uint8))], version=1,
+                                    bucket_bytes=1024)
+
+    async def scenario():
+        good, flaky = FakeInstaller(), FakeInstaller(fail_first=1)
+        fleet = fleet_of({"e0": good, "e1": flaky})
+        fanout = ObjectStoreFanout(fleet)
+
+        def refs():
+            async def bucket(b):
+                return encode(b)
+            return [bucket(b) for b in buckets]
+
+        with pytest.raises(RefitError, match="rejected"):
+            await fanout.push(encode(manifest), refs())
+        assert fleet.version == 0 and fleet.kept is None and good.version == 1 and flaky.version == 0
+        assert fleet.metrics.refit_failures.labels(reason="rejected")._value.get() == 1
+        out = await fanout.push(encode(manifest), refs())
+        assert out == RefitResult(version=1, seconds=out.seconds, bytes=manifest.total_bytes, engines=2)
+        assert fleet.version == 1 and flaky.version == 1 and fleet.kept is not None
+        assert good.calls == 1                       # kept what it had installed; not asked again
+        assert await fanout.reinstall("e1") and flaky.calls == 3   # the kept push, reset, for a restarted engine
+
+    asyncio.run(scenario())
+
+
+def test_the_learner_exports_buckets_and_hands_them_to_the_pools_push():
+    from services.refit import ObjectStoreRefit, make_refit
+
+    calls, result = [], RefitResult(version=2, seconds=0.1, bytes=10, engines=1)
+
+    class _Push:
+        def remote(self, *args):
+            calls.append(args)
+            return self
+
+        def result(self, timeout_s: float):
+            calls.append(timeout_s)
+            return result
+
+    recipe = load_recipe(None, ["policy.refit_bucket_mb=2", "policy.refit_timeout_s=10"])
+    learner = type("L", (), {"call": lambda self, m, *a: (calls.append((m, *a)), (b"manifest", ["ref"]))[1]})()
+    refit = make_refit(recipe, type("Pool", (), {"push": _Push()})(), learner)
+    assert isinstance(refit, ObjectStoreRefit) and not refit.engines_waiting()
+    assert refit.push(reset=True) is result
+    assert calls == [("export_weights", 2 * 1024 * 1024), (b"manifest", ["ref"], True), 3 * 10 + 60]
