@@ -17,7 +17,7 @@ run: setup
 # ruff and pyright (rule sets and their reasons: pyproject.toml); both must report nothing.
 lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES)
-	$(VENV)/bin/pyright $(PACKAGES)
+	$(VENV)/bin/pyright -p pyproject.toml $(PACKAGES)
 
 test: setup lint
 	$(PY) -m pytest -m "not gpu and not slow" --durations=30 tests

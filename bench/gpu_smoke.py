@@ -44,7 +44,7 @@ async def run(args) -> dict:
     await engine.start()
     out["engine_start_s"] = time.monotonic() - t
     out["engine_options"] = engine.options.describe()
-    out["version_labels"] = "streamed" if engine.stream_version_labels else "engine"
+    out["version_labels"] = "streamed" if engine.labels.streamed else "engine"
     requests = make_prompts("repeat_letter", engine.tokenizer, args.groups, seed=0)
 
     t = time.monotonic()

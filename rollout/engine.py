@@ -66,59 +66,21 @@ class RolloutEngine:
         self._kv = KvCounters()
         self._procs = EngineProcesses({}, set())
         self._sleeps_skipped_on_cpu = 0
-        self._labels = VersionLabels()
-        self._installer = Installer(engine_id, self._labels, initial_version,
+        self.labels = VersionLabels()
+        self.installer = Installer(engine_id, self.labels, initial_version,
                                     recompute_kv=recompute_kv_cache_after_weight_updates,
                                     in_flight=in_flight_weight_updates, timeout_s=weight_update_timeout_s)
-        self._sampler = GroupSampler(engine_id, generation, reward_fn, reward_timeout_s, self._labels,
-                                     llm=self._require_started, version=lambda: self._installer.version,
+        self.sampler = GroupSampler(engine_id, generation, reward_fn, reward_timeout_s, self.labels,
+                                     llm=self._require_started, version=lambda: self.installer.version,
                                      dead_reason=self.dead_reason)
 
     # ------------------------------------------------------------------ settings read at every call
+    # The parts hold the settings that may change between calls: ``sampler.generation``, ``sampler.reward_fn``,
+    # ``sampler.reward_timeout_s``, ``installer.recompute_kv_cache_after_weight_updates``, ``labels.streamed``.
     @property
     def generation(self) -> GenerationConfig:
         """Sampling settings; read at every request, so changes apply to the next one."""
-        return self._sampler.generation
-
-    @generation.setter
-    def generation(self, value: GenerationConfig) -> None:
-        self._sampler.generation = value
-
-    @property
-    def reward_fn(self) -> RewardFn:
-        """Scores each group; may be replaced between calls."""
-        return self._sampler.reward_fn
-
-    @reward_fn.setter
-    def reward_fn(self, value: RewardFn) -> None:
-        self._sampler.reward_fn = value
-
-    @property
-    def reward_timeout_s(self) -> float:
-        return self._sampler.reward_timeout_s
-
-    @reward_timeout_s.setter
-    def reward_timeout_s(self, value: float) -> None:
-        self._sampler.reward_timeout_s = value
-
-    @property
-    def recompute_kv_cache_after_weight_updates(self) -> bool:
-        """Drop running requests' KV cache at an install and recompute it with the new weights."""
-        return self._installer.recompute_kv_cache_after_weight_updates
-
-    @recompute_kv_cache_after_weight_updates.setter
-    def recompute_kv_cache_after_weight_updates(self, value: bool) -> None:
-        self._installer.recompute_kv_cache_after_weight_updates = value
-
-    @property
-    def stream_version_labels(self) -> bool:
-        """Label tokens by streaming (:mod:`rollout.streamed`) rather than by the engine's labels. Set at
-        :meth:`start` (True when the installed vLLM has no labels); read at every request and install."""
-        return self._labels.streamed
-
-    @stream_version_labels.setter
-    def stream_version_labels(self, value: bool) -> None:
-        self._labels.streamed = value
+        return self.sampler.generation
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -128,7 +90,7 @@ class RolloutEngine:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        self._labels.detect(self.engine_id)
+        self.labels.detect(self.engine_id)
         options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len,
                                        colocated=self.generation.colocated.enabled)
         self._options = options
@@ -137,7 +99,7 @@ class RolloutEngine:
         for ignored in options.ignored:
             logger.warning("rollout engine %s: %s", self.engine_id, ignored.message(options.platform))
         os.environ.update(options.env)
-        self._installer.expected = ExpectedParams.from_model_dir(self.model_path)
+        self.installer.expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         engine_args = AsyncEngineArgs(**options.engine_args)
         children_before = EngineProcesses.before_start()
@@ -150,13 +112,13 @@ class RolloutEngine:
         self._llm = build.result()
         self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
-        self._sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
-        await self._bounded(self._labels.set_label(self._llm, self.version), "setting the initial weight version")
+        self.sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
+        await self._bounded(self.labels.set_label(self._llm, self.version), "setting the initial weight version")
 
     async def shutdown(self) -> None:
         """Shut the engine core and its workers down (frees their /dev/shm segments)."""
         llm, self._llm = self._llm, None
-        self._sampler.shutdown()
+        self.sampler.shutdown()
         if llm is not None:
             # Stop AsyncLLM's output loop first, or it reports the engine core's exit as an engine failure.
             handler = getattr(llm, "output_handler", None)
@@ -187,12 +149,12 @@ class RolloutEngine:
     @property
     def version(self) -> int:
         """The policy version being served."""
-        return self._installer.version
+        return self.installer.version
 
     @property
     def vocab_size(self) -> int:
         self._require_started()
-        return self._sampler.vocab_size
+        return self.sampler.vocab_size
 
     @property
     def tokenizer(self) -> Any:
@@ -210,9 +172,9 @@ class RolloutEngine:
     def stats(self) -> dict:
         """Counters: groups, samples, tokens, running requests, retries, aborts, installs and their cost,
         and vLLM's preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
-        out: dict[str, Any] = {**vars(self._sampler.stats), **vars(self._installer.stats)}
+        out: dict[str, Any] = {**vars(self.sampler.stats), **vars(self.installer.stats)}
         out.update(sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, version=self.version,
-                   engine_id=self.engine_id, weights_broken=self._installer.broken, **self._kv.as_stats())
+                   engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats())
         return out
 
     def dead_reason(self) -> str:
@@ -225,8 +187,8 @@ class RolloutEngine:
         if group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {group_size}")
         self._require_started()
-        self._installer.require_consistent()
-        return await self._sampler.group(request, group_size)
+        self.installer.require_consistent()
+        return await self.sampler.group(request, group_size)
 
     async def generate(self, requests: list[PromptRequest], group_size: int) -> AsyncIterator[TrajectoryGroup]:
         """Generate a group per request concurrently; yield each group as soon as it is complete."""
@@ -241,7 +203,7 @@ class RolloutEngine:
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
         """The engine's log-prob of each response token given its prompt and the tokens before it."""
-        return await self._sampler.logprobs_of(prompt_ids, response_ids)
+        return await self.sampler.logprobs_of(prompt_ids, response_ids)
 
     # ------------------------------------------------------------------ installs
     async def install(self, manifest: WeightManifest, buckets: list[WeightBucket], *, reset: bool = False) -> int:
@@ -251,7 +213,7 @@ class RolloutEngine:
         learner attaching to or re-syncing this engine installs its own
         version, whatever it is). Raises :class:`WeightUpdateError` (old
         version still serving) if the push is rejected or cannot be installed."""
-        return await self._installer.install(self._require_started(), manifest, buckets, reset=reset)
+        return await self.installer.install(self._require_started(), manifest, buckets, reset=reset)
 
     @property
     def weight_group_members(self) -> int:
@@ -264,7 +226,7 @@ class RolloutEngine:
         """Have every worker join the learner's weight group (ranks ``rank_base ..``); returns their ranks.
 
         Bounded by ``timeout_s`` (the group forms only when every member has joined)."""
-        return await self._installer.join_group(self._require_started(), host, port, rank_base, world_size,
+        return await self.installer.join_group(self._require_started(), host, port, rank_base, world_size,
                                                 timeout_s)
 
     async def install_from_group(self, *, reset: bool = False) -> int:
@@ -274,7 +236,7 @@ class RolloutEngine:
         device; the manifest is then checked like :meth:`install` checks a push (version order unless
         ``reset``, every parameter with its shape and dtype), and only then is generation paused for the
         install. Raises :class:`WeightUpdateError` with the old version still serving."""
-        return await self._installer.install_from_group(
+        return await self.installer.install_from_group(
             self._require_started(), reset=reset, direct_load=self.generation.vllm_cfg.direct_weight_load)
 
     # ------------------------------------------------------------------ helpers

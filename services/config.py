@@ -20,6 +20,7 @@ from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
 from services.gpu_layout import check_gpu_layout
+from services.recipe_rules import check_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -217,48 +218,9 @@ class Recipe(ConfigModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        p, g = self.policy, self.policy.generation
-        if g.max_new_tokens >= p.max_total_sequence_length:
-            raise ValueError(f"policy.generation.max_new_tokens ({g.max_new_tokens}) must be < "
-                             f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
-        if p.sequence_packing.enabled and p.sequence_packing.train_mb_tokens < p.max_total_sequence_length:
-            raise ValueError(f"policy.sequence_packing.train_mb_tokens ({p.sequence_packing.train_mb_tokens}) must "
-                             f"be >= policy.max_total_sequence_length ({p.max_total_sequence_length})")
-        if self.rollout_pool.channel_send_timeout_s >= g.request_timeout_s:
-            raise ValueError(f"rollout_pool.channel_send_timeout_s ({self.rollout_pool.channel_send_timeout_s:g}) must "
-                             f"be < policy.generation.request_timeout_s ({g.request_timeout_s:g}): an engine must "
-                             f"not wait on a learner that stopped reading longer than on a sample")
-        a = self.grpo.async_grpo
-        if a.enabled and g.colocated.enabled:
-            raise ValueError("grpo.async_grpo.enabled requires policy.generation.colocated.enabled=false "
-                             "(the learner and the pool need their own devices)")
-        if p.refit_transport == "collective" and g.colocated.enabled:
-            raise ValueError("policy.refit_transport='collective' requires policy.generation.colocated.enabled="
-                             "false (a colocated engine shares the learner's GPU; use 'object_store')")
-        if a.enabled and not self.loss_fn.use_importance_sampling_correction:
-            raise ValueError("grpo.async_grpo.enabled requires loss_fn.use_importance_sampling_correction=true "
-                             "(lag-1 samples come from an older policy)")
-        if g.vllm_cfg.max_model_len is not None and g.vllm_cfg.max_model_len < p.max_total_sequence_length:
-            raise ValueError(f"policy.generation.vllm_cfg.max_model_len ({g.vllm_cfg.max_model_len}) must be >= "
-                             f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
-        ahead = a.max_trajectory_age_steps * self.grpo.num_prompts_per_step
-        if a.enabled and self.rollout_pool.max_inflight_groups < ahead:
-            raise ValueError(f"rollout_pool.max_inflight_groups ({self.rollout_pool.max_inflight_groups}) must be >= "
-                             f"grpo.async_grpo.max_trajectory_age_steps x grpo.num_prompts_per_step ({ahead}): "
-                             f"the groups generated ahead wait in the learner's channel while it trains")
-        self._resolve_lr_decay_steps()
+        check_recipe(self)
         check_gpu_layout(self)
         return self
-
-    def _resolve_lr_decay_steps(self) -> None:
-        """``lr_decay_steps`` defaults to ``grpo.max_num_steps``; a decaying schedule must outlast its warm-up."""
-        o = self.policy.megatron_cfg.optimizer
-        if o.lr_decay_steps is None:
-            o.lr_decay_steps = self.grpo.max_num_steps
-        if o.lr_decay_style != "constant" and o.lr_warmup_steps >= o.lr_decay_steps:
-            raise ValueError(f"policy.megatron_cfg.optimizer.lr_warmup_steps ({o.lr_warmup_steps}) must be < "
-                             f"lr_decay_steps ({o.lr_decay_steps}; default grpo.max_num_steps) for "
-                             f"lr_decay_style={o.lr_decay_style!r}")
 
     @property
     def gpus_per_engine(self) -> int:

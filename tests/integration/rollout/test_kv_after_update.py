@@ -50,16 +50,16 @@ def _update_while_running(harness, new_model_dir: str, recompute_kv: bool):
         await engine.install(manifest, buckets)
         return await asyncio.gather(*tasks)
 
-    old_max, old_recompute = engine.generation.max_new_tokens, engine.recompute_kv_cache_after_weight_updates
+    old_max, old_recompute = engine.generation.max_new_tokens, engine.installer.recompute_kv_cache_after_weight_updates
     before = engine.stats()
     engine.generation.max_new_tokens = 400
-    engine.recompute_kv_cache_after_weight_updates = recompute_kv
+    engine.installer.recompute_kv_cache_after_weight_updates = recompute_kv
     try:
         groups = harness.run(scenario())
         after = engine.stats()
     finally:
         engine.generation.max_new_tokens = old_max
-        engine.recompute_kv_cache_after_weight_updates = old_recompute
+        engine.installer.recompute_kv_cache_after_weight_updates = old_recompute
         push_model(harness, harness.model_dir)
     return reqs, groups, v, {k: after[k] - before[k] for k in KV_KEYS}
 

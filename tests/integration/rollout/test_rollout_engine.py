@@ -63,7 +63,7 @@ def test_groups_stream_as_they_finish(harness):
     reqs = prompts(harness, 3)
     slow_id = reqs[0].prompt_id
     reqs[0].task["slow"] = 1
-    original = engine.reward_fn
+    original = engine.sampler.reward_fn
 
     async def reward(batch):
         if batch[0].task.get("slow"):
@@ -76,11 +76,11 @@ def test_groups_stream_as_they_finish(harness):
             arrivals.append((group.prompt_id, time.monotonic()))
         return arrivals
 
-    engine.reward_fn = reward
+    engine.sampler.reward_fn = reward
     try:
         arrivals = harness.run(collect())
     finally:
-        engine.reward_fn = original
+        engine.sampler.reward_fn = original
     order = [pid for pid, _ in arrivals]
     assert sorted(order) == sorted(r.prompt_id for r in reqs)
     assert order[-1] == slow_id, order
@@ -117,7 +117,7 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
     forward of the new weights; with the old KV kept, they differ from the old weights.
     ``streamed``: labels from streamed outputs (the path for a vLLM without engine labels)."""
     engine = harness.engine
-    engine_labels = engine.stream_version_labels
+    engine_labels = engine.labels.streamed
     reqs = prompts(harness, 3, seed=11)
     old_max = engine.generation.max_new_tokens
     v = engine.version
@@ -132,14 +132,14 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
         return await asyncio.gather(*tasks)
 
     engine.generation.max_new_tokens = 400
-    engine.recompute_kv_cache_after_weight_updates = recompute_kv
-    engine.stream_version_labels = streamed or engine_labels
+    engine.installer.recompute_kv_cache_after_weight_updates = recompute_kv
+    engine.labels.streamed = streamed or engine_labels
     try:
         groups = harness.run(scenario())
     finally:
         engine.generation.max_new_tokens = old_max
-        engine.recompute_kv_cache_after_weight_updates = False
-        engine.stream_version_labels = engine_labels
+        engine.installer.recompute_kv_cache_after_weight_updates = False
+        engine.labels.streamed = engine_labels
         push_model(harness, tiny_model_dir)
     split = 0
     for request, group in zip(reqs, groups):
@@ -235,7 +235,7 @@ def test_timed_out_requests_are_retried_then_failed_not_scored(harness):
 @pytest.mark.parametrize("kind", ["raises", "hangs", "per_sample_failure"])
 def test_reward_errors_fail_samples_with_reason(harness, kind):
     engine = harness.engine
-    original, old_timeout = engine.reward_fn, engine.reward_timeout_s
+    original, old_timeout = engine.sampler.reward_fn, engine.sampler.reward_timeout_s
 
     def raises(batch):
         raise RuntimeError("grader crashed")
@@ -246,12 +246,12 @@ def test_reward_errors_fail_samples_with_reason(harness, kind):
     def per_sample(batch):
         return [RewardFailure("no answer found")] + [1.0] * (len(batch) - 1)
 
-    engine.reward_fn = {"raises": raises, "hangs": hangs, "per_sample_failure": per_sample}[kind]
-    engine.reward_timeout_s = 0.5
+    engine.sampler.reward_fn = {"raises": raises, "hangs": hangs, "per_sample_failure": per_sample}[kind]
+    engine.sampler.reward_timeout_s = 0.5
     try:
         group = harness.run(engine.generate_group(prompts(harness, 1)[0], GROUP_SIZE))
     finally:
-        engine.reward_fn, engine.reward_timeout_s = original, old_timeout
+        engine.sampler.reward_fn, engine.sampler.reward_timeout_s = original, old_timeout
     failed = [t for t in group.trajectories if not t.ok]
     expect = {"raises": "RuntimeError: grader crashed", "hangs": "timed out after 0.5s",
               "per_sample_failure": "no answer found"}[kind]

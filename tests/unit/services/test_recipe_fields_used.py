@@ -18,8 +18,9 @@ from services.config import Recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCE_DIRS = ("services", "rollout", "learner")
-NOT_USES = {"services/config_docs.py"}
-"""Renders every field into docs/configuration.md: showing a key is not using it."""
+NOT_USES = {"services/config_docs.py", "services/recipe_rules.py"}
+"""config_docs renders every field into docs/configuration.md, recipe_rules checks keys against each other (the
+Recipe validator's body): showing or validating a key is not using it."""
 ALLOWED_UNREAD: dict[str, str] = {
     "policy.generation.backend": "its type admits only 'vllm', the one backend, so it cannot change behaviour; "
                                  "kept so that NeMo-RL recipes, which name it, load unchanged",
