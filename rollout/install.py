@@ -41,8 +41,11 @@ class InstallStats:
     refit_rejected: int = 0
     """Pushes rejected before the pause, or whose install failed inside it."""
     refit_seconds_total: float = 0.0
+    """Seconds spent in installs since the engine started."""
     refit_seconds_last: float = 0.0
+    """Seconds of the last install."""
     pause_seconds_last: float = 0.0
+    """Seconds generation was paused by the last install."""
     install_seconds_last: float = 0.0
     """Time of the workers' install (reload or direct load) inside the last pause."""
     install_path_last: str = ""
@@ -53,8 +56,12 @@ class InstallStats:
     copy_plan_refused: str = ""
     """Why the copy plan of ``rollout.direct_load`` is not used (empty: proven, or not checked yet)."""
     refit_bytes_total: int = 0
+    """Bytes of weights installed since the engine started."""
     refit_bytes_last: int = 0
+    """Bytes of the last installed push."""
     prefix_cache_reset_deferred: int = 0
+    """Installs whose prefix-cache reset was refused (blocks of running requests still in use); new requests are
+    salted by version instead."""
     version_drain_incomplete: int = 0
     """Installs where the front end had not delivered every pre-pause output in time (streamed labels)."""
     last_error: str = ""

@@ -53,17 +53,23 @@ class SamplingStats:
     counters (:class:`rollout.install.InstallStats`)."""
 
     groups: int = 0
+    """Groups finished (every sample scored or failed)."""
     samples_ok: int = 0
+    """Samples generated and scored."""
     samples_failed: int = 0
     """Samples returned with ``finish_reason="error"`` (retries exhausted, or not scorable)."""
     tokens_generated: int = 0
+    """Response tokens sampled, over all attempts."""
     requests_running: int = 0
     """Requests in the engine now."""
     attempts_failed: int = 0
+    """Attempts that failed (each is retried until ``max_retries``)."""
     retries: int = 0
+    """Attempts made again after a failed one."""
     aborts: int = 0
     """Attempts past their deadline, aborted in the engine."""
     reward_failures: int = 0
+    """Samples whose reward could not be computed (they fail, never score 0)."""
 
 
 class GroupSampler:

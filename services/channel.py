@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,55 +98,43 @@ class TrajectoryChannel:
     def send(self, data: bytes, timeout_s: float) -> None:
         """Put one encoded message; waits at most ``timeout_s`` for room."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
+        with self._bounded_call(timeout_s):
             accepted = ray.get(self.actor.put.remote(data, timeout_s), timeout=timeout_s + RPC_GRACE_S)
-        except GetTimeoutError:
-            raise self._unresponsive(timeout_s) from None
-        except RayActorError as exc:
-            raise self._closed(exc) from None
         if not accepted:
             raise self._full(timeout_s)
 
     async def send_async(self, data: bytes, timeout_s: float) -> None:
         """:meth:`send` for async actors (the engines): waits without blocking the event loop."""
+        with self._bounded_call(timeout_s):
+            accepted = await asyncio.wait_for(self.actor.put.remote(data, timeout_s), timeout_s + RPC_GRACE_S)
+        if not accepted:
+            raise self._full(timeout_s)
+
+    @contextmanager
+    def _bounded_call(self, timeout_s: float) -> Iterator[None]:
+        """A call on the queue actor: no answer in time (``GetTimeoutError`` and asyncio's timeout are both
+        ``TimeoutError``) means the actor is unresponsive; a dead actor means the channel is closed."""
         from ray.exceptions import RayActorError
 
         try:
-            accepted = await asyncio.wait_for(self.actor.put.remote(data, timeout_s), timeout_s + RPC_GRACE_S)
+            yield
         except TimeoutError:
             raise self._unresponsive(timeout_s) from None
         except RayActorError as exc:
             raise self._closed(exc) from None
-        if not accepted:
-            raise self._full(timeout_s)
 
     # --------------------------------------------------------------- receive
     def recv(self, timeout_s: float) -> bytes:
         """Take the next encoded message, waiting at most ``timeout_s`` for one to arrive."""
         return self._dequeue(timeout_s)
 
-    def drain(self) -> list[bytes]:
-        """Everything queued now, without waiting for more messages."""
-        out: list[bytes] = []
-        while True:
-            try:
-                out.append(self.recv(0.0))
-            except ChannelTimeout:
-                return out
-
     def _dequeue(self, timeout_s: float) -> bytes:
         """The next message; ChannelTimeout if none arrives within ``timeout_s``."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
+        with self._bounded_call(timeout_s):
             items = ray.get(self.actor.get.remote(timeout_s), timeout=timeout_s + RPC_GRACE_S)
-        except GetTimeoutError:
-            raise self._unresponsive(timeout_s) from None
-        except RayActorError as exc:
-            raise self._closed(exc) from None
         if not items:
             raise ChannelTimeout(f"channel {self.name!r}: nothing arrived for {timeout_s:.1f} s")
         return items[0]
@@ -153,14 +143,9 @@ class TrajectoryChannel:
     def size(self) -> int:
         """Messages waiting in the queue."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
+        with self._bounded_call(0.0):
             return ray.get(self.actor.size.remote(), timeout=RPC_GRACE_S)
-        except GetTimeoutError:
-            raise self._unresponsive(0.0) from None
-        except RayActorError as exc:
-            raise self._closed(exc) from None
 
     def close(self) -> None:
         """Kill the queue actor: blocked and later sends/receives raise :class:`ChannelClosed`.

@@ -29,6 +29,16 @@ SLACK_S = 3.0  # allowed lateness of a timeout on this loaded 2-core machine
 ORPHAN_SETTLE_S = 10.0  # longer than Ray takes to act on a dead owner (measured ~8 s: a queue of object refs lost them)
 
 
+def drain(channel: TrajectoryChannel) -> list[bytes]:
+    """Everything queued now, without waiting for more messages."""
+    out: list[bytes] = []
+    while True:
+        try:
+            out.append(channel.recv(0.0))
+        except ChannelTimeout:
+            return out
+
+
 def encoded_group(index: int, response_tokens: int) -> bytes:
     rng = np.random.default_rng(index)
     trajs = [Trajectory(rng.integers(0, VOCAB, response_tokens), -rng.exponential(1.0, response_tokens),
@@ -97,7 +107,7 @@ def test_backpressure_send_times_out_naming_the_channel(ray_cluster):
         # the same from an engine-like async actor: the task fails with ChannelTimeout
         with pytest.raises(ChannelTimeout, match="'bp-driver'"):
             ray.get(sender.send_all.remote(channel, [data], 0.5), timeout=WAIT_S)
-        assert channel.drain() == [data, data]  # nothing extra got in; drain does not wait
+        assert drain(channel) == [data, data]  # nothing extra got in; drain does not wait
         channel.send(data, 0.5)  # room again
     finally:
         channel.close()
@@ -113,7 +123,7 @@ def test_recv_on_empty_channel_times_out_within_bound(ray_cluster):
             with pytest.raises(ChannelTimeout, match="'empty'.*nothing arrived"):
                 channel.recv(timeout_s)
             assert timeout_s <= time.monotonic() - t0 < timeout_s + SLACK_S
-        assert channel.drain() == []
+        assert drain(channel) == []
     finally:
         channel.close()
 
@@ -218,7 +228,7 @@ def run_cycle(index: int, sender, kind: str, payload: bytes, n: int = 6):
             assert [channel.recv(WAIT_S) for _ in range(2)] == [payload] * 2
             ray.kill(sender)  # mid-stream: the queue holds messages it owned
             wait_for(lambda: not ray_actor_alive(sender), WAIT_S, "the killed sender to die")
-            assert all(m == payload for m in channel.drain())  # what it had sent is still there
+            assert all(m == payload for m in drain(channel))  # what it had sent is still there
             sender = Sender.remote()  # the pool replaces its engine
         elif kind == "closed_while_blocked":
             task = sender.send_forever.remote(channel, payload, 60.0)

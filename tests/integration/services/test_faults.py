@@ -487,7 +487,11 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
+@pytest.mark.parametrize("transport", [
+    "object_store",
+    # the collective re-join after a restart is covered by the actor-kill test above; this one is `slow` (~85 s)
+    pytest.param("collective", marks=pytest.mark.slow),
+])
 def test_a_vllm_engine_core_killed_inside_a_live_engine_is_restarted_in_place_and_its_prompts_requeued(
         pool, tmp_path, transport):
     """As above, but only the ``VLLM::EngineCore`` child of engine 1 is SIGKILLed; its actor lives on. The pool
