@@ -11,6 +11,7 @@ from services.config import load_recipe
 from services.job import learner_job
 from services.job.learner_job import LearnerJob
 from services.job.prompt_source import PromptSource
+from handle_fakes import ServeMethod
 
 
 def group(pid: str, step: int = 1, good: bool = True) -> TrajectoryGroup:
@@ -21,31 +22,6 @@ def group(pid: str, step: int = 1, good: bool = True) -> TrajectoryGroup:
 
 def prompts(n: int = 8) -> list[PromptRequest]:
     return [PromptRequest(f"p{i}", [1, 2, 3]) for i in range(n)]
-
-
-class Answer:
-    """A DeploymentResponse: ``result()`` gives the value or raises the exception."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout_s=None):
-        if isinstance(self.value, BaseException):
-            raise self.value
-        return self.value
-
-
-class Method:
-    """``handle.method.remote(*args)`` like a DeploymentHandle: calls ``fn`` now, answers with an :class:`Answer`."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        try:
-            return Answer(self.fn(*args))
-        except Exception as exc:  # noqa: BLE001 - raised by result(), as a DeploymentResponse does
-            return Answer(exc)
 
 
 class FakePool:
@@ -59,13 +35,13 @@ class FakePool:
         self.asked_undelivered: list[str] = []
         self.calls: list[str] = []
         self.reports: list[dict] = []
-        self.attach = Method(lambda learner_id, channel: {})
-        self.detach = Method(lambda learner_id: None)
-        self.submit = Method(self._submit)
-        self.take_undelivered = Method(self._take_undelivered)
-        self.report_step = Method(self.reports.append)
-        self.sleep_engines = Method(lambda: self.calls.append("sleep"))
-        self.wake_engines = Method(lambda: self.calls.append("wake"))
+        self.attach = ServeMethod(lambda learner_id, channel: {})
+        self.detach = ServeMethod(lambda learner_id: None)
+        self.submit = ServeMethod(self._submit)
+        self.take_undelivered = ServeMethod(self._take_undelivered)
+        self.report_step = ServeMethod(self.reports.append)
+        self.sleep_engines = ServeMethod(lambda: self.calls.append("sleep"))
+        self.wake_engines = ServeMethod(lambda: self.calls.append("wake"))
 
     def _submit(self, encoded: list[bytes], group_size: int) -> int:
         from protocol import decode, encode

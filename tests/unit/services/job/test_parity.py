@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from handle_fakes import ServeMethod
+
 from services.job.parity import (
     EngineInstall,
     ParityError,
@@ -24,27 +26,6 @@ def learner_logprobs(responses) -> list[list[float]]:
     return [[-0.5 * (j + 1) for j in range(len(r))] for r in responses]
 
 
-class Answer:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout_s=None):
-        if isinstance(self.value, BaseException):
-            raise self.value
-        return self.value
-
-
-class Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        try:
-            return Answer(self.fn(*args))
-        except Exception as exc:  # noqa: BLE001 - raised by result(), as a DeploymentResponse does
-            return Answer(exc)
-
-
 class FakePool:
     """Engines with a pid, an install count, a version and an offset added to the learner's log-probs."""
 
@@ -53,12 +34,12 @@ class FakePool:
         self.engines = {f"pool-engine-{i}": {"up": True, "pid": 100 + i, "refits": 1, "version": version,
                                              "offset": 0.0, "gone": False} for i in range(n)}
         self.scored: list[str] = []
-        self.status = Method(lambda: {"version": self.version, "engines": {
+        self.status = ServeMethod(lambda: {"version": self.version, "engines": {
             e: {"up": s["up"], "version": s["version"]} for e, s in self.engines.items()}})
-        self.engine_stats = Method(lambda: {e: {"error": "RayActorError"} if s["gone"] else
+        self.engine_stats = ServeMethod(lambda: {e: {"error": "RayActorError"} if s["gone"] else
                                             {"pid": s["pid"], "refits": s["refits"], "version": s["version"]}
                                             for e, s in self.engines.items()})
-        self.logprobs_of = Method(self._logprobs_of)
+        self.logprobs_of = ServeMethod(self._logprobs_of)
 
     def _logprobs_of(self, prompts, responses, engine_id):
         self.scored.append(engine_id)

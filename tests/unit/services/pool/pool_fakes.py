@@ -11,16 +11,7 @@ from services.pool.metrics import PoolMetrics
 from services.pool.watcher import HealthWatcher
 from services.refit.collective import WeightGroup
 from services.refit.object_store import ObjectStoreFanout
-
-
-class Method:
-    """``handle.method.remote(*args)`` like a Ray actor handle: the coroutine (or value) ``fn`` returns."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
+from handle_fakes import ActorMethod
 
 
 class FakeEngine:
@@ -29,9 +20,9 @@ class FakeEngine:
     def __init__(self, ok: bool):
         self.ok, self.health_calls, self.starts, self.slow, self.version = ok, 0, 0, False, 0
         self.release = asyncio.Event()
-        self.health = Method(self._health)
-        self.start = Method(self._start)
-        self.stats = Method(self._stats)
+        self.health = ActorMethod(self._health)
+        self.start = ActorMethod(self._start)
+        self.stats = ActorMethod(self._stats)
 
     async def _health(self):
         self.health_calls += 1

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pool_fakes import Method, fleet_of
+from handle_fakes import ActorMethod
+from pool_fakes import fleet_of
 
 from protocol import PromptRequest, encode
 from services.pool.dispatch import Batch, Dispatcher
@@ -54,7 +55,7 @@ def test_prompts_go_round_robin_to_the_engines_at_the_pools_version_and_wait_whe
         async def generate(prompts, group_size, channel):
             sent[eid].extend(prompts)
             return {"prompts": len(prompts), "undelivered": []}
-        return SimpleNamespace(generate=Method(generate))
+        return SimpleNamespace(generate=ActorMethod(generate))
 
     async def scenario():
         fleet = fleet_of({e: engine(e) for e in sent})

@@ -14,7 +14,8 @@ import rollout.engine
 from protocol import ControlMessage, PromptRequest, TrajectoryGroup, decode, encode
 from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
-from pool_fakes import FakeEngine, Method, pool_of
+from handle_fakes import ActorMethod
+from pool_fakes import FakeEngine, pool_of
 from services.pool.dispatch import Batch
 from services.pool.engine_actor import EngineActor, EngineSpec
 from services.pool.fleet import KeptPush
@@ -114,7 +115,7 @@ def test_the_pool_requeues_a_dead_cores_pending_prompts_and_marks_the_engine_dow
         async def generate(prompts, group_size, channel):
             return {"prompts": 3, "undelivered": [], "engine_dead": "vLLM engine core died", "requeue": [1, 2]}
 
-        engine = types.SimpleNamespace(generate=Method(generate))
+        engine = types.SimpleNamespace(generate=ActorMethod(generate))
         d = pool_of({"e0": engine}).dispatcher
         d.attach("L", FakeChannel())
 
@@ -146,7 +147,7 @@ def test_a_restarted_vllm_gets_the_latest_weights_even_at_the_same_version_and_l
 
         async def health_with_sync():
             return {**await health(), "synced": synced["value"], "error": "" if engine.ok else "core died"}
-        engine.health = Method(health_with_sync)
+        engine.health = ActorMethod(health_with_sync)
 
         await p.watcher.check_engine("e0")
         assert applied == [] and p.fleet.table["e0"].up                 # in sync: nothing to do

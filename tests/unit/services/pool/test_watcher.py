@@ -6,7 +6,8 @@ import asyncio
 import types
 
 import pytest
-from pool_fakes import FakeEngine, Method, pool_of
+from handle_fakes import ActorMethod
+from pool_fakes import FakeEngine, pool_of
 
 from services.pool.engine_table import EngineState
 from services.pool.fleet import KeptPush
@@ -104,7 +105,7 @@ def test_the_learner_is_detached_after_three_late_channel_checks_in_a_row_or_at_
             raise ray.exceptions.RayActorError()
         return 0
 
-    channel = types.SimpleNamespace(name="ch", actor=types.SimpleNamespace(size=Method(size)))
+    channel = types.SimpleNamespace(name="ch", actor=types.SimpleNamespace(size=ActorMethod(size)))
 
     async def scenario():
         p = pool_of({}, timeout_s=0.05)

@@ -14,26 +14,7 @@ from services.pool.metrics import PoolMetrics
 from services.refit import CollectiveRefit, RefitError, RefitResult
 from services.refit.collective import GroupPlan, WeightGroup
 from services.refit.result import GroupInstall
-
-
-class _Response:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout_s: float):
-        if isinstance(self.value, Exception):
-            raise self.value
-        return self.value
-
-
-class _Handle:
-    """``pool.method.remote(...).result()`` like a DeploymentHandle."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return _Response(self.fn(*args))
+from handle_fakes import ActorMethod, ServeMethod
 
 
 class _GroupPool:
@@ -41,10 +22,10 @@ class _GroupPool:
 
     def __init__(self):
         self.current, self.joined, self.received = False, 0, []
-        self.weight_group_current = _Handle(lambda: self.current)
-        self.weight_group_plan = _Handle(lambda timeout: GroupPlan({"e0": 1}, 2))
-        self.join_weight_group = _Handle(self._join)
-        self.install_group_push = _Handle(self._install)
+        self.weight_group_current = ServeMethod(lambda: self.current)
+        self.weight_group_plan = ServeMethod(lambda timeout: GroupPlan({"e0": 1}, 2))
+        self.join_weight_group = ServeMethod(self._join)
+        self.install_group_push = ServeMethod(self._install)
 
     def _join(self, host, port, plan, timeout):
         self.joined += 1
@@ -92,16 +73,6 @@ def test_collective_refit_forms_the_group_once_and_again_after_a_failed_send():
     assert pool.joined == 2 and refit.groups_formed == 2 and pool.received[-1] is True
 
 
-class _Method:
-    """``handle.method.remote(*args)`` like an EngineActor handle."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
 class _Member:
     """An engine of ``workers`` vLLM workers that joins groups and installs their pushes (or rejects one)."""
 
@@ -121,8 +92,8 @@ class _Member:
                 raise RayTaskError("EngineActor.install_from_group", "...", cause).as_instanceof_cause()
             return GroupInstall(version=5, bytes=100, pause_s=0.02, install_s=0.01, install_path="reload")
 
-        self.weight_group_members, self.join_weight_group = _Method(members), _Method(join)
-        self.install_from_group = _Method(install)
+        self.weight_group_members, self.join_weight_group = ActorMethod(members), ActorMethod(join)
+        self.install_from_group = ActorMethod(install)
 
 
 def test_the_pools_weight_group_plans_ranks_tracks_incarnations_and_installs_atomically():

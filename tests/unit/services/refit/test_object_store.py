@@ -15,14 +15,7 @@ from services.pool.fleet import Fleet
 from services.pool.metrics import PoolMetrics
 from services.refit import RefitError, RefitResult
 from services.refit.object_store import ObjectStoreFanout
-
-
-class Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
+from handle_fakes import ActorMethod
 
 
 def fleet_of(engines: dict) -> Fleet:
@@ -39,7 +32,7 @@ class FakeInstaller:
 
     def __init__(self, fail_first: int = 0):
         self.version, self.calls, self.fail_first = 0, 0, fail_first
-        self.install = Method(self._install)
+        self.install = ActorMethod(self._install)
 
     async def _install(self, manifest_bytes, refs, reset):
         self.calls += 1
