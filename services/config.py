@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
+from services.config_data import DataConfig, RewardEnvConfig
 from services.gpu_layout import check_gpu_layout
 from services.recipe_rules import check_recipe
 
@@ -66,8 +67,41 @@ class GrpoConfig(ConfigModel):
     """Learner steps in a row that may be skipped (non-finite loss or gradient, no valid tokens) before the job
     stops with the learner's reason; a skipped step trains nothing, pushes nothing and drops its prompts as
     ``step_skipped``."""
+    max_num_epochs: int | None = Field(default=None, ge=1)
+    """Passes over the training rows; the run ends at ``max_num_steps`` or after this many epochs, whichever is
+    first. None: as many as ``max_num_steps`` needs."""
+    use_leave_one_out_baseline: bool = False
+    """Baseline of a sample = mean reward of the other samples of its group (RLOO) instead of the group mean."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal (zero advantage) is dropped and its prompt
+    replaced by a fresh one until the step has ``num_prompts_per_step`` groups with signal."""
+    dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1, le=1000)
+    """Bound of dynamic sampling: at most this many times ``num_prompts_per_step`` prompts are tried for one step;
+    past it the step trains on what it has and ``dynamic_sampling_exhausted`` is counted."""
+    overlong_filtering: bool = False
+    """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
+    out of the loss."""
+    val_period: int = Field(default=0, ge=0)
+    """Validate every N steps (0: never)."""
+    val_at_start: bool = False
+    """Validate once before the first step (step 0)."""
+    max_val_samples: int = Field(default=256, ge=1)
+    """Validation prompts used (the first ones of the validation set)."""
+    val_batch_size: int = Field(default=64, ge=1)
+    """Validation prompts submitted to the pool at once."""
+    val_num_generations: int = Field(default=1, ge=1, le=1024)
+    """Answers per validation prompt; k of pass@k."""
+    val_temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Sampling temperature of validation; 0 is greedy (then ``val_num_generations`` must be 1)."""
     async_grpo: AsyncGrpoConfig = Field(default_factory=AsyncGrpoConfig)
     """Asynchronous (lag-1) mode."""
+
+    @model_validator(mode="after")
+    def _val_sampling(self):
+        if self.val_temperature == 0.0 and self.val_num_generations > 1:
+            raise ValueError(f"val_num_generations ({self.val_num_generations}) > 1 needs val_temperature > 0 "
+                             f"(greedy answers of one prompt are all the same)")
+        return self
 
 
 class PolicyConfig(ConfigModel):
@@ -77,6 +111,9 @@ class PolicyConfig(ConfigModel):
     """HF model directory, or ``tiny://ARCH[?seed=N&size=S]`` to build a random tiny model locally."""
     max_total_sequence_length: int = Field(default=8192, ge=16)
     """Prompt + answer tokens of one sequence."""
+    train_global_batch_size: int | None = Field(default=None, ge=1)
+    """Samples per optimizer step; the rollout batch (``grpo.num_prompts_per_step x num_generations_per_prompt``)
+    must be a multiple of it. None: the whole rollout batch is one optimizer step."""
     refit_bucket_mb: int = Field(default=512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
     refit_transport: Literal["object_store", "collective"] = "object_store"
@@ -99,18 +136,22 @@ class PolicyConfig(ConfigModel):
 
 
 class EnvConfig(ConfigModel):
-    """``env``: where prompts come from and how answers are scored."""
+    """``env``: how answers are scored. ``reward_fn`` is one function; a named section ``env.<name>``
+    (:class:`RewardEnvConfig`) gives several weighted functions run in worker processes."""
 
-    task: Literal["repeat_letter", "arithmetic"] = "repeat_letter"
-    """Prompt source: ``repeat_letter`` (toy task a tiny random model learns on CPU) or ``arithmetic``."""
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, RewardEnvConfig] = Field(init=False)  # pyright: ignore[reportIncompatibleVariableOverride]
+
     reward_fn: str = Field(default="repeat_letter", min_length=1, max_length=512)
     """Reward function: ``repeat_letter``, ``math_exact``, ``format``, or your own as
     ``package.module:function`` / ``/path/to/file.py:function`` (importable where the engines run)."""
-    num_prompts: int = Field(default=4096, ge=1)
-    """Size of the prompt set (generated from ``grpo.seed``)."""
     reward_timeout_s: float = Field(default=30.0, gt=0.0)
     """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
 
+    @property
+    def named(self) -> dict[str, RewardEnvConfig]:
+        """The named sections ``env.<name>``."""
+        return dict(self.__pydantic_extra__ or {})
 
     @model_validator(mode="after")
     def _reward_name(self):
@@ -171,7 +212,12 @@ class CheckpointingConfig(ConfigModel):
     save_period: int = Field(default=10, ge=1)
     """Save every N steps (and at the end)."""
     keep_top_k: int = Field(default=2, ge=1)
-    """Most recent checkpoints kept."""
+    """Checkpoints kept: the best ``keep_top_k`` by ``metric_name`` (NeMo-RL semantics), or the most recent ones
+    when ``metric_name`` is not set. The newest is always kept as well, so a run can resume."""
+    metric_name: str | None = None
+    """Metric of the step row that ranks checkpoints, e.g. ``val_reward_mean`` or ``val_accuracy``."""
+    higher_is_better: bool = True
+    """Whether a larger ``metric_name`` is better."""
 
 
 class LoggerConfig(ConfigModel):
@@ -205,8 +251,10 @@ class Recipe(ConfigModel):
     """Model, learner, generation."""
     loss_fn: LossConfig = Field(default_factory=LossConfig)
     """GRPO loss."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training and validation data."""
     env: EnvConfig = Field(default_factory=EnvConfig)
-    """Prompts and rewards."""
+    """Rewards."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Hardware."""
     rollout_pool: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
@@ -323,10 +371,23 @@ REMOVED_KEYS = {
     "policy.train_micro_batch_size": "no code read it; with policy.sequence_packing.enabled=false every sequence is "
                                      "a micro-batch of its own, with packing a micro-batch holds up to "
                                      "policy.sequence_packing.train_mb_tokens tokens",
+    "env.task": "the built-in prompt sets are data.dataset_name (repeat_letter, arithmetic)",
+    "env.num_prompts": "the size of a built-in prompt set is data.num_prompts",
     "rollout_pool.gpus_per_engine": "an engine takes policy.generation.vllm_cfg.tensor_parallel_size x "
                                     "pipeline_parallel_size GPUs; set those instead",
 }
 """Keys recipes used to accept, with what to write instead (shown when a recipe still names one)."""
+
+
+def _reject_removed(data: dict) -> None:
+    """A removed key is an error with its replacement, before validation (``env`` accepts named sections, so
+    ``env.task`` would otherwise read as a section)."""
+    for key, hint in REMOVED_KEYS.items():
+        node: Any = data
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise RecipeError(key, f"removed key: {hint}")
 
 
 def _explain(err: ValidationError) -> RecipeError:
@@ -355,6 +416,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
     """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) and apply overrides."""
     path = Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml"
     data = apply_overrides(_read_yaml(path), overrides or [])
+    _reject_removed(data)
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:

@@ -39,7 +39,47 @@ def check_recipe(recipe: Recipe) -> None:
         raise ValueError(f"rollout_pool.max_inflight_groups ({recipe.rollout_pool.max_inflight_groups}) must be >= "
                          f"grpo.async_grpo.max_trajectory_age_steps x grpo.num_prompts_per_step ({ahead}): "
                          f"the groups generated ahead wait in the learner's channel while it trains")
+    _check_data(recipe)
     _resolve_lr_decay_steps(recipe)
+
+
+def _check_data(recipe: Recipe) -> None:
+    """``data``, ``env.<name>``, validation and the optimizer-step size agree; fills ``data.dataset_name`` and
+    ``data.max_input_seq_length``'s defaults."""
+    d, g, p = recipe.data, recipe.grpo, recipe.policy
+    batch = g.num_prompts_per_step * g.num_generations_per_prompt
+    if p.train_global_batch_size is not None and batch % p.train_global_batch_size:
+        raise ValueError(f"policy.train_global_batch_size ({p.train_global_batch_size}) must divide the rollout batch "
+                         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt ({batch})")
+    if d.train_data_path is not None and d.dataset_name is not None:
+        raise ValueError(f"data.train_data_path ({d.train_data_path!r}) and data.dataset_name ({d.dataset_name!r}): "
+                         f"give one of them")
+    if d.train_data_path is None and d.dataset_name is None:
+        d.dataset_name = "repeat_letter"
+    if d.val_data_path is not None and d.train_data_path is None:
+        raise ValueError("data.val_data_path needs data.train_data_path (a built-in data set validates on its own "
+                         "prompts drawn with another seed)")
+    room = p.max_total_sequence_length - p.generation.max_new_tokens
+    if d.max_input_seq_length is None:
+        d.max_input_seq_length = room
+    elif d.max_input_seq_length > room:
+        raise ValueError(f"data.max_input_seq_length ({d.max_input_seq_length}) must be <= "
+                         f"policy.max_total_sequence_length - policy.generation.max_new_tokens ({room})")
+    named = recipe.env.named
+    if d.env_name is not None and d.env_name not in named:
+        raise ValueError(f"data.env_name ({d.env_name!r}): no section env.{d.env_name} "
+                         f"(named sections: {sorted(named) or 'none'})")
+    if d.env_name is None and len(named) > 1:
+        raise ValueError(f"data.env_name: several env sections ({sorted(named)}), name the one that scores the data")
+    if d.env_name is None and named:
+        d.env_name = next(iter(named))
+    unused = sorted(set(named) - {d.env_name})
+    if unused:
+        raise ValueError(f"env.{unused[0]}: a section no data.env_name names")
+    metric = recipe.checkpointing.metric_name
+    validates = g.val_period > 0 or g.val_at_start
+    if metric is not None and metric.startswith("val_") and not validates:
+        raise ValueError(f"checkpointing.metric_name ({metric!r}) is a validation metric: set grpo.val_period > 0")
 
 
 def _resolve_lr_decay_steps(recipe: Recipe) -> None:
