@@ -31,3 +31,18 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def data_pool(ray_cluster, tmp_path_factory):
+    """A deployed pool scoring with ``env.math`` (tests/integration/services/data_pool.py); yields its recipe."""
+    from services import pool as pool_api
+    from services.app import deploy_pool
+
+    from data_pool import data_recipe
+
+    recipe = data_recipe()
+    status = deploy_pool(recipe, tmp_path_factory.mktemp("data-pool"))
+    assert status["ready"], status
+    yield recipe
+    pool_api.shutdown(recipe.rollout_pool.name)

@@ -1,0 +1,29 @@
+"""A rollout pool that scores math answers (``env.math``), shared by the data, validation and reward tests,
+and the recipes of the jobs attached to it. The ``data_pool`` fixture (conftest.py) deploys it once per session."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.config import Recipe, load_recipe
+
+POOL_NAME = "inflight-data-pool"
+POOL_OVERRIDES = (
+    f"rollout_pool.name={POOL_NAME}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+    "env.math.reward_functions=[{name: math_verify, weight: 1.0}]", "env.math.num_workers=2",
+    "logger.tensorboard_enabled=false", "checkpointing.save_period=1",
+)
+
+
+def data_recipe(*overrides: str) -> Recipe:
+    """A job recipe for the data pool (its ``env`` and pool name), with ``overrides`` applied last."""
+    return load_recipe(None, [*POOL_OVERRIDES, *overrides])
+
+
+def write_problems(path: Path, n: int, start: int = 0) -> Path:
+    """``n`` rows ``{"input": "What is a plus b?", "output": "<sum>", "level": i % 3}`` as JSONL."""
+    with path.open("w") as f:
+        for i in range(start, start + n):
+            a, b = i % 50, (7 * i) % 50
+            f.write(json.dumps({"input": f"What is {a} plus {b}?", "output": str(a + b), "level": i % 3}) + "\n")
+    return path
