@@ -8,11 +8,15 @@ drift from the code (a test compares the two).
 from __future__ import annotations
 
 import sys
+import types
+import typing
 
 from pydantic.fields import FieldInfo
 
 from protocol.config_base import ConfigModel
 from services.config import Recipe
+from services.config_data import RewardEnvConfig
+from services.nemo_rl_names import nemo_rl_name
 
 HEADER = """# Configuration reference
 
@@ -49,21 +53,47 @@ RULES = """
 - `policy.megatron_cfg.optimizer.lr_decay_steps` (default `grpo.max_num_steps`) `> lr_warmup_steps` for a
   linear or cosine `lr_decay_style`
 
+- `policy.train_global_batch_size` divides `grpo.num_prompts_per_step x grpo.num_generations_per_prompt`
+- `data.train_data_path` or `data.dataset_name`, not both (neither: `dataset_name: repeat_letter`);
+  `data.val_data_path` needs `data.train_data_path`, and validating (`grpo.val_period > 0` or
+  `grpo.val_at_start`) a `train_data_path` needs `val_data_path`
+- `data.max_input_seq_length` (default `policy.max_total_sequence_length - policy.generation.max_new_tokens`)
+  is at most that difference
+- `data.env_name` names an `env.<name>` section (default: the only one); every `env.<name>` section is the
+  one `data.env_name` names
+- `checkpointing.metric_name` of a validation metric (`val_*`) needs `grpo.val_period > 0` or
+  `grpo.val_at_start`; `grpo.val_num_generations > 1` needs `grpo.val_temperature > 0`
+
 Removed keys (a recipe that still names one is rejected with what to write instead):
-`policy.train_micro_batch_size` (never read; packing or one sequence per micro-batch decides), and
-`rollout_pool.gpus_per_engine` (an engine takes `vllm_cfg.tensor_parallel_size x pipeline_parallel_size` GPUs).
+`policy.train_micro_batch_size` (never read; packing or one sequence per micro-batch decides),
+`rollout_pool.gpus_per_engine` (an engine takes `vllm_cfg.tensor_parallel_size x pipeline_parallel_size` GPUs),
+`env.task` (now `data.dataset_name`) and `env.num_prompts` (now `data.num_prompts`).
 """
 
 
 def _type_name(field: FieldInfo) -> str:
-    ann = field.annotation
-    text = getattr(ann, "__name__", None) or str(ann)
-    return text.replace("typing.", "").replace("Literal", "one of ")
+    return _render_type(field.annotation).replace("|", "\\|")
+
+
+def _render_type(ann: object) -> str:
+    """``int``, ``one of 'a', 'b'``, ``str or None``, ``list of RewardFunctionSpec``."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_render_type(a) for a in args)
+    if origin is not None and args:
+        return f"{getattr(origin, '__name__', str(origin))} of " + ", ".join(_render_type(a) for a in args)
+    if ann is type(None):
+        return "None"
+    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
 
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
         value = field.get_default(call_default_factory=True)
+        if isinstance(value, list) and all(isinstance(v, ConfigModel) for v in value):
+            return repr([v.model_dump() for v in value])
         return "" if isinstance(value, ConfigModel) else repr(value)
     return repr(field.default)
 
@@ -88,14 +118,18 @@ def render() -> str:
                 children.append((ann, f"{prefix}{name}."))
                 continue
             desc = (field.description or "").replace("\n", " ").replace("|", "\\|")
-            rows.append(f"| `{prefix}{name}` | {_type_name(field)} | `{_default(field)}` | {_bounds(field)} | {desc} |")
+            key = f"{prefix}{name}"
+            rows.append(f"| `{key}` | {_type_name(field)} | `{_default(field)}` | {_bounds(field)} | "
+                        f"{nemo_rl_name(key)} | {desc} |")
         if rows:
             title = prefix.rstrip(".") or "(top level)"
             doc = (model.__doc__ or "").strip().splitlines()[0]
-            sections.append(f"\n## `{title}`\n\n{doc}\n\n| key | type | default | bounds | meaning |\n"
-                            "|---|---|---|---|---|\n" + "\n".join(rows))
+            sections.append(f"\n## `{title}`\n\n{doc}\n\n| key | type | default | bounds | NeMo-RL | meaning |\n"
+                            "|---|---|---|---|---|---|\n" + "\n".join(rows))
         for child, p in children:
             walk(child, p)
+        if model.__name__ == "EnvConfig":
+            walk(RewardEnvConfig, f"{prefix}<name>.")
 
     walk(Recipe, "")
     sections.append(RULES)

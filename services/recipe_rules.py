@@ -78,6 +78,9 @@ def _check_data(recipe: Recipe) -> None:
         raise ValueError(f"env.{unused[0]}: a section no data.env_name names")
     metric = recipe.checkpointing.metric_name
     validates = g.val_period > 0 or g.val_at_start
+    if validates and d.train_data_path is not None and d.val_data_path is None:
+        raise ValueError("grpo.val_period / grpo.val_at_start: validation of data.train_data_path needs "
+                         "data.val_data_path")
     if metric is not None and metric.startswith("val_") and not validates:
         raise ValueError(f"checkpointing.metric_name ({metric!r}) is a validation metric: set grpo.val_period > 0")
 
