@@ -1,9 +1,11 @@
-"""Prompt sources (``env.task``): deterministic prompt sets for the shipped rewards.
+"""Built-in prompt sets (``data.dataset_name``): deterministic prompt sets for the shipped rewards.
 
 ``make_prompts(task, tokenizer, num_prompts, seed)`` returns
 :class:`protocol.PromptRequest` s built with the tokenizer's chat template,
 whose ``task`` dict carries what the matching reward needs; the same seed
-gives the same prompts (``prompt_id`` is ``f"{task}-{i}"``). Tasks:
+gives the same prompts (``prompt_id`` is ``f"{task}-{i}"``; the validation
+split, ``split="val"``, draws from another stream and its ids are
+``f"val:{task}-{i}"``). Tasks:
 ``repeat_letter`` ("Repeat the letter i.", reward ``repeat_letter``) and
 ``arithmetic`` ("What is a plus b?", rewards ``math_exact`` / ``format``);
 docs/rollout.md ("The toy task") says why the letter task is built as it is.
@@ -41,33 +43,45 @@ def repeat_targets(tokenizer) -> list[tuple[str, int, list[int]]]:
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:
     """Token ids of one user turn through the chat template, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                        add_generation_prompt=True, return_dict=False)
+    return chat_ids(tokenizer, [{"role": "user", "content": content}])
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat turns ``[{role, content}]`` through the model's chat template, ready for the
+    assistant's answer (``add_generation_prompt=True``)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
         raise TypeError(f"apply_chat_template returned {type(ids).__name__}, expected a list of token ids")
     return ids
 
 
-def make_prompts(task: str, tokenizer, num_prompts: int, seed: int) -> list[PromptRequest]:
-    """``num_prompts`` prompts of ``task``, the same for the same ``seed``."""
+SPLITS = ("train", "val")
+
+
+def make_prompts(task: str, tokenizer, num_prompts: int, seed: int, split: str = "train") -> list[PromptRequest]:
+    """``num_prompts`` prompts of ``task``, the same for the same ``seed``; ``split="val"`` draws them from
+    another random stream and prefixes their ids with ``val:`` (they never collide with training ids)."""
     if task not in TASKS:
-        raise ValueError(f"env.task: expected one of {TASKS}, got {task!r}")
+        raise ValueError(f"data.dataset_name: expected one of {TASKS}, got {task!r}")
     if num_prompts < 1:
         raise ValueError(f"num_prompts: expected >= 1, got {num_prompts}")
-    rng = random.Random(f"{task}:{seed}")
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"{task}:{seed}" if split == "train" else f"{task}:{split}:{seed}")
+    prefix = "" if split == "train" else f"{split}:"
     prompts: list[PromptRequest] = []
     if task == "repeat_letter":
         targets = repeat_targets(tokenizer)
         for i in range(num_prompts):
             letter, token_id, starting = targets[rng.randrange(len(targets))]
             ids = np.asarray(chat_prompt_ids(tokenizer, f"Repeat the letter {letter}."))
-            prompts.append(PromptRequest(f"{task}-{i}", ids,
+            prompts.append(PromptRequest(f"{prefix}{task}-{i}", ids,
                                          {"target": letter, "target_token_id": token_id,
                                           "target_token_ids": ",".join(map(str, starting))}))
     else:
         for i in range(num_prompts):
             a, b = rng.randint(0, 99), rng.randint(0, 99)
             ids = np.asarray(chat_prompt_ids(tokenizer, f"What is {a} plus {b}?"))
-            prompts.append(PromptRequest(f"{task}-{i}", ids,
+            prompts.append(PromptRequest(f"{prefix}{task}-{i}", ids,
                                          {"answer": a + b}))
     return prompts

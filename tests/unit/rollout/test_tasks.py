@@ -49,7 +49,17 @@ def test_arithmetic_answers_check_out(tokenizer):
 
 
 def test_bad_arguments(tokenizer):
-    with pytest.raises(ValueError, match="env.task: expected one of"):
+    with pytest.raises(ValueError, match="data.dataset_name: expected one of"):
         make_prompts("chess", tokenizer, 2, 0)
     with pytest.raises(ValueError, match="num_prompts: expected >= 1, got 0"):
         make_prompts("arithmetic", tokenizer, 0, 0)
+
+
+def test_validation_split_draws_other_prompts_with_val_ids(tokenizer):
+    train = make_prompts("arithmetic", tokenizer, 8, seed=5)
+    val = make_prompts("arithmetic", tokenizer, 8, seed=5, split="val")
+    assert [p.prompt_id for p in val] == [f"val:arithmetic-{i}" for i in range(8)]
+    assert [p.task for p in val] != [p.task for p in train]
+    assert [p.task for p in val] == [p.task for p in make_prompts("arithmetic", tokenizer, 8, seed=5, split="val")]
+    with pytest.raises(ValueError, match="split: expected one of"):
+        make_prompts("arithmetic", tokenizer, 2, 0, split="test")
