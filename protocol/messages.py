@@ -44,6 +44,11 @@ class Trajectory:
     A sample that failed (generation error, reward error) has
     ``finish_reason == "error"``, ``reward is None`` and ``error`` set; it is
     never given reward 0.
+
+    ``reward_components`` holds each reward function's value for this sample
+    when the reward is a weighted sum of several (``env.<name>.reward_functions``);
+    ``reward`` is then ``sum(weight * value)``. Empty for a single ``env.reward_fn``
+    and for a failed sample; on the wire only when non-empty (optional key).
     """
 
     response_ids: np.ndarray
@@ -52,6 +57,7 @@ class Trajectory:
     reward: float | None
     finish_reason: str = "stop"
     error: str = ""
+    reward_components: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         self.response_ids = _i32(self.response_ids)
@@ -63,9 +69,12 @@ class Trajectory:
         return self.finish_reason != "error"
 
     def to_wire(self) -> dict:
-        return {"response_ids": self.response_ids, "logprobs": self.logprobs,
-                "versions": self.versions, "reward": self.reward,
-                "finish_reason": self.finish_reason, "error": self.error}
+        d = {"response_ids": self.response_ids, "logprobs": self.logprobs,
+             "versions": self.versions, "reward": self.reward,
+             "finish_reason": self.finish_reason, "error": self.error}
+        if self.reward_components:
+            d["reward_components"] = {str(k): float(v) for k, v in self.reward_components.items()}
+        return d
 
     @classmethod
     def from_wire(cls, d: dict, path: str, vocab_size: int) -> Trajectory:
@@ -91,7 +100,25 @@ class Trajectory:
                 raise ProtocolError(f"{path}.error", "a reason for a failed sample", error)
         else:
             reward = F.as_float(reward, f"{path}.reward")
-        return cls(ids, lps, vers, reward, reason, error)
+        components = _reward_components(d.get("reward_components", {}), f"{path}.reward_components")
+        if components and reason == "error":
+            raise ProtocolError(f"{path}.reward_components", "empty for a failed sample", sorted(components))
+        return cls(ids, lps, vers, reward, reason, error, components)
+
+
+MAX_REWARD_COMPONENTS = 64
+
+
+def _reward_components(v: object, path: str) -> dict[str, float]:
+    """An optional map of reward-function name -> finite value (absent in messages written before it)."""
+    d = F.as_dict(v, path)
+    if len(d) > MAX_REWARD_COMPONENTS:
+        raise ProtocolError(path, f"at most {MAX_REWARD_COMPONENTS} reward functions", len(d))
+    out: dict[str, float] = {}
+    for name, value in d.items():
+        key = F.as_str(name, f"{path}.<name>", max_chars=512, allow_empty=False)
+        out[key] = F.as_float(value, f"{path}.{key}")
+    return out
 
 
 @dataclass

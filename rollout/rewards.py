@@ -6,119 +6,30 @@ A reward function scores a whole group at once: a list of :class:`RewardInput`
 :func:`score_group` runs it under a deadline and turns every failure
 (exception, timeout, wrong count, non-finite value) into per-sample
 :class:`RewardFailure` s -- never into reward 0. :func:`get_reward_fn` knows
-``math_exact``, ``format`` and ``repeat_letter`` (docs/rollout.md, "Rewards"),
-or loads ``module:function`` / ``file.py:function``.
+``math_verify`` (:mod:`rollout.math_verify_reward`), ``math_exact``, ``format``
+and ``repeat_letter`` (:mod:`rollout.reward_fns`; docs/rollout.md, "Rewards"),
+or loads ``module:function`` / ``file.py:function``. Several weighted functions
+in worker processes: :mod:`rollout.reward_env`.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
-import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import cast
 
+from rollout.math_verify_reward import math_verify
+from rollout.reward_fns import extract_answer, format_reward, math_exact, repeat_letter
+from rollout.reward_types import RewardFailure, RewardFn, RewardInput, RewardResult, Scored
 
-@dataclass(frozen=True)
-class RewardInput:
-    """One sample to score."""
-
-    text: str
-    response_ids: Sequence[int]
-    task: dict
-
-
-@dataclass(frozen=True)
-class RewardFailure:
-    """A sample the reward function could not score, with the reason."""
-
-    reason: str
-
-
-RewardResult = float | RewardFailure
-RewardFn = Callable[[list[RewardInput]], list[RewardResult] | Awaitable[list[RewardResult]]]
-"""Scores a batch of samples; plain or ``async``; one result per sample."""
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_FINAL_FORM = re.compile(r"(\\boxed\{[^{}]*\}|[Tt]he answer is\s*-?\d+(?:\.\d+)?)\s*\.?\s*$")
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None
-
-
-def extract_answer(text: str) -> float | None:
-    """The numeric answer of a response: ``\\boxed{}`` content, else the last number."""
-    boxed = _last_boxed(text)
-    source = boxed if boxed is not None else text
-    numbers = _NUMBER.findall(source.replace(",", ""))
-    return float(numbers[-1]) if numbers else None
-
-
-def math_exact(batch: list[RewardInput]) -> list[RewardResult]:
-    """1.0 if the extracted numeric answer equals ``task["answer"]``, else 0.0."""
-    out: list[RewardResult] = []
-    for sample in batch:
-        if "answer" not in sample.task:
-            out.append(RewardFailure("math_exact: task has no 'answer'"))
-            continue
-        try:
-            want = float(sample.task["answer"])
-        except (TypeError, ValueError):
-            out.append(RewardFailure(f"math_exact: task['answer'] is not a number: {sample.task['answer']!r}"))
-            continue
-        got = extract_answer(sample.text)
-        out.append(1.0 if got is not None and math.isclose(got, want, rel_tol=0.0, abs_tol=1e-9) else 0.0)
-    return out
-
-
-def format_reward(batch: list[RewardInput]) -> list[RewardResult]:
-    """1.0 if the response ends with ``\\boxed{...}`` or ``The answer is N``, else 0.0."""
-    return [1.0 if _FINAL_FORM.search(sample.text.strip()) else 0.0 for sample in batch]
-
-
-def repeat_letter(batch: list[RewardInput]) -> list[RewardResult]:
-    """Fraction of response tokens in the target set (0.0 for an empty response)."""
-    out: list[RewardResult] = []
-    for sample in batch:
-        targets = _repeat_targets(sample.task)
-        if isinstance(targets, RewardFailure):
-            out.append(targets)
-            continue
-        ids = list(sample.response_ids)
-        out.append(sum(1 for t in ids if t in targets) / len(ids) if ids else 0.0)
-    return out
-
-
-def _repeat_targets(task: dict) -> set[int] | RewardFailure:
-    many = task.get("target_token_ids")
-    if many is not None:
-        try:
-            return {int(x) for x in str(many).split(",") if x.strip()}
-        except ValueError:
-            return RewardFailure(f"repeat_letter: task['target_token_ids'] must be comma-separated ints, "
-                                 f"got {many!r}")
-    one = task.get("target_token_id")
-    if isinstance(one, bool) or not isinstance(one, int):
-        return RewardFailure(f"repeat_letter: task['target_token_id'] must be an int, got {one!r}")
-    return {one}
-
+__all__ = ["REWARD_FNS", "RewardFailure", "RewardFn", "RewardInput", "RewardResult", "Scored", "check_results",
+           "extract_answer", "format_reward", "get_reward_fn", "math_exact", "math_verify", "repeat_letter",
+           "score_group"]
 
 REWARD_FNS: dict[str, RewardFn] = {
+    "math_verify": math_verify,
     "math_exact": math_exact,
     "format": format_reward,
     "repeat_letter": repeat_letter,
@@ -142,7 +53,7 @@ def get_reward_fn(name: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: {where!r} has no callable {attr!r}")
-    return cast(RewardFn, fn)  # a user's function: its results are checked at every call (_check_results)
+    return cast(RewardFn, fn)  # a user's function: its results are checked at every call (check_results)
 
 
 def _load_module(where: str):
@@ -159,7 +70,7 @@ def _load_module(where: str):
     return importlib.import_module(where)
 
 
-def _check_results(results: object, n: int) -> list[RewardResult]:
+def check_results(results: object, n: int) -> list[RewardResult]:
     if not isinstance(results, (list, tuple)) or len(results) != n:
         got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
         return [RewardFailure(f"reward function returned {got}, expected a list of {n}")] * n
@@ -201,4 +112,4 @@ async def score_group(reward_fn: RewardFn, batch: list[RewardInput], timeout_s: 
         return [RewardFailure(f"reward function timed out after {timeout_s:g}s")] * len(batch)
     except Exception as exc:  # noqa: BLE001 -- any reward error fails the samples, with its text
         return [RewardFailure(f"reward function raised {type(exc).__name__}: {exc}")] * len(batch)
-    return _check_results(results, len(batch))
+    return check_results(results, len(batch))

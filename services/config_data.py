@@ -59,6 +59,15 @@ class RewardFunctionSpec(ConfigModel):
     weight: float = Field(default=1.0, gt=0.0, le=1000.0)
     """Weight of this function in the sample's reward (the weighted sum of every function's value)."""
 
+    @model_validator(mode="after")
+    def _known_name(self):
+        from rollout.rewards import REWARD_FNS
+
+        if self.name not in REWARD_FNS and ":" not in self.name:
+            raise ValueError(f"name: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
+                             f"'file.py:function', got {self.name!r}")
+        return self
+
 
 class RewardEnvConfig(ConfigModel):
     """``env.<name>``: a named reward environment (NeMo-RL ``env.math``, ``env.clevr-cogent``...)."""

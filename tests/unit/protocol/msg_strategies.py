@@ -36,7 +36,9 @@ def trajectories(draw, vocab_size: int) -> Trajectory:
     versions = draw(hnp.arrays(np.int32, n, elements=st.integers(0, (1 << 31) - 1)))
     if draw(st.integers(0, 4)) == 0:  # a failed sample: no reward, a reason
         return Trajectory(ids, logprobs, versions, None, "error", draw(ident))
-    return Trajectory(ids, logprobs, versions, draw(finite), draw(st.sampled_from(OK_REASONS)), draw(short_text))
+    components = draw(st.dictionaries(ident, finite, max_size=3))  # per-function values (often none)
+    return Trajectory(ids, logprobs, versions, draw(finite), draw(st.sampled_from(OK_REASONS)), draw(short_text),
+                      components)
 
 
 @st.composite

@@ -54,7 +54,8 @@ def test_repeat_letter_counts_every_token_of_the_target_set():
 def test_registry():
     assert get_reward_fn("math_exact") is math_exact
     with pytest.raises(ValueError, match=r"reward function: expected one of \['format', 'math_exact', "
-                                         r"'repeat_letter'\] or 'module:function' / 'file.py:function', got 'nope'"):
+                                         r"'math_verify', 'repeat_letter'\] or 'module:function' / "
+                                         r"'file.py:function', got 'nope'"):
         get_reward_fn("nope")
 
 

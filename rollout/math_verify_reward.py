@@ -1,0 +1,62 @@
+"""``math_verify``: 1.0 when the response's final answer equals ``task["answer"]`` by Hugging Face Math-Verify
+(``math_verify.parse`` both, ``math_verify.verify``), else 0.0; a task without a parsable answer fails.
+
+Math-Verify's own timeouts use ``signal.alarm`` and work only in a process's main thread; they are switched off
+here (``parsing_timeout=None``, ``timeout_seconds=None``) because on timeout they silently give "not equal",
+i.e. a 0 that is not a measurement. The deadline is enforced from outside instead: in a named environment every
+call runs in a worker process (:mod:`rollout.reward_workers`) that is killed at ``env.<name>.timeout_s``, and
+the sample fails with the reason. Used as a single ``env.reward_fn`` it runs on a thread, where a hang keeps
+its thread busy (the group still fails at ``env.reward_timeout_s``).
+"""
+from __future__ import annotations
+
+from rollout.reward_types import RewardFailure, RewardInput, RewardResult
+
+
+def _quiet() -> None:
+    """Math-Verify warns once per process that its timeouts are off; the deadline is ours (module docstring)."""
+    import math_verify.grader
+    import math_verify.parser
+
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+
+
+def _parse(text: str, raise_on_error: bool) -> list:
+    from math_verify import parse
+
+    _quiet()
+
+    return parse(text, parsing_timeout=None, raise_on_error=raise_on_error)  # pyright: ignore[reportArgumentType]
+
+
+def _gold(answer: object) -> list | RewardFailure:
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        return RewardFailure(f"math_verify: task['answer'] must be a non-empty string or number, got {answer!r}")
+    text = str(answer).strip()
+    try:
+        gold = _parse(text, raise_on_error=True) or _parse(f"\\boxed{{{text}}}", raise_on_error=True)
+    except Exception as exc:  # noqa: BLE001 - an unparsable reference fails the sample, with the reason
+        return RewardFailure(f"math_verify: cannot parse task['answer'] {text!r}: {type(exc).__name__}: {exc}")
+    if not gold:
+        return RewardFailure(f"math_verify: cannot parse task['answer'] {text!r}")
+    return gold
+
+
+def math_verify(batch: list[RewardInput]) -> list[RewardResult]:
+    """1.0 if Math-Verify finds the response's answer equal to ``task["answer"]`` (``\\boxed{\\frac{1}{2}}``
+    equals ``0.5``; "The answer is 12" equals ``12``), else 0.0 (also for a response with no answer)."""
+    from math_verify import verify
+
+    out: list[RewardResult] = []
+    for sample in batch:
+        if "answer" not in sample.task:
+            out.append(RewardFailure("math_verify: task has no 'answer'"))
+            continue
+        gold = _gold(sample.task["answer"])
+        if isinstance(gold, RewardFailure):
+            out.append(gold)
+            continue
+        pred = _parse(sample.text, raise_on_error=False)  # an unparsable response is a wrong answer
+        out.append(1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0)
+    return out
