@@ -8,6 +8,11 @@ throughput `Learner.train_step` keeps. Learner and bare steps alternate (L, B, L
 both see the same load on a shared machine; each side reports its median, and ``ratio_paired``
 is the median over pairs of bare / learner step time.
 
+The same loop also runs the batch as two optimizer steps (``train_global_batch_size`` = half the
+batch; π_prev then comes from an extra no-grad forward of the whole batch): ``two_step_s`` is its
+median step time, ``two_step_ratio`` = two_step_s / learner_step_s, ``prev_logprobs_s`` the median
+time of that extra forward and ``prev_logprobs_share`` its share of the two-step step.
+
     python bench/learner_step.py [--arch qwen2] [--groups 8] [--group-size 8] [--steps 5]
 """
 from __future__ import annotations
@@ -38,7 +43,7 @@ def main() -> None:
 
     import torch
 
-    from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
+    from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig, TrainStepConfig
     from learner.logprobs import token_logprobs
     from learner.trainer import Learner
     from protocol.messages import Trajectory, TrajectoryGroup
@@ -57,12 +62,12 @@ def main() -> None:
         responses = [rng.integers(3, vocab, int(rng.integers(32, 256))).astype(np.int32)
                      for _ in range(args.group_size)]
         lps = learner.logprobs([prompt] * args.group_size, responses)
-        trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses, lps)]
+        trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses, lps, strict=True)]
         groups.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, args.group_size, vocab))
 
     batch = learner._collect(groups)
     micro_batches, _ = learner._pack([s.tokens for s in batch.samples])
-    micro_batches = [mb.to(learner._device()) for mb in micro_batches]
+    micro_batches = [mb.to(learner.device) for mb in micro_batches]
 
     def bare_step() -> float:
         t0 = time.perf_counter()
@@ -76,15 +81,30 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    one_step = TrainStepConfig()
+    two_steps = TrainStepConfig(train_global_batch_size=args.groups * args.group_size // 2)
+
+    def two_step() -> dict[str, float]:
+        learner.step_cfg = two_steps
+        try:
+            return learner.train_step(groups)
+        finally:
+            learner.step_cfg = one_step
+
     learner.train_step(groups)  # warm-up
     bare_step()
-    learner_s, bare_s, fills, tokens = [], [], [], 0.0
+    two_step()
+    learner_s, bare_s, two_s, prev_s, fills, tokens = [], [], [], [], [], 0.0
     for _ in range(args.steps):
         m = learner.train_step(groups)
         learner_s.append(m["policy_training_s"])
         fills.append(m["fill_ratio"])
         tokens = m["tokens_per_s"] * m["policy_training_s"]
         bare_s.append(bare_step())
+        m2 = two_step()
+        assert m2["optimizer_steps"] == 2, m2
+        two_s.append(m2["policy_training_s"])
+        prev_s.append(m2["prev_logprobs_s"])
     learner_tps = tokens / float(np.median(learner_s))
     bare_tps = tokens / float(np.median(bare_s))
     result = {"arch": args.arch, "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -93,10 +113,15 @@ def main() -> None:
               "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
               "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
               "ratio_paired": float(np.median(np.asarray(bare_s) / np.asarray(learner_s))),
+              "two_step_s": float(np.median(two_s)),
+              "two_step_ratio": float(np.median(two_s)) / float(np.median(learner_s)),
+              "prev_logprobs_s": float(np.median(prev_s)),
+              "prev_logprobs_share": float(np.median(np.asarray(prev_s) / np.asarray(two_s))),
               "steps": args.steps}
     print(f"{'metric':<24}{'value':>14}")
     for k in ("tokens_per_step", "micro_batches", "fill_ratio", "learner_step_s", "bare_step_s",
-              "learner_tokens_per_s", "bare_tokens_per_s", "ratio", "ratio_paired"):
+              "learner_tokens_per_s", "bare_tokens_per_s", "ratio", "ratio_paired", "two_step_s", "two_step_ratio",
+              "prev_logprobs_s", "prev_logprobs_share"):
         v = result[k]
         print(f"{k:<24}{v:>14.3f}" if isinstance(v, float) else f"{k:<24}{v:>14}")
     out = Path(args.out)

@@ -1,6 +1,7 @@
 """Typed configuration of the learner: Megatron parallelism and optimizer
-(``policy.megatron_cfg``), sequence packing (``policy.sequence_packing``)
-and the GRPO loss (``loss_fn``). Names follow NeMo-RL."""
+(``policy.megatron_cfg``), sequence packing (``policy.sequence_packing``),
+the GRPO loss (``loss_fn``) and the per-step GRPO options (``grpo.*``,
+``policy.train_global_batch_size``). Names follow NeMo-RL."""
 from __future__ import annotations
 
 from typing import Literal
@@ -28,12 +29,13 @@ class OptimizerConfig(ConfigModel):
     clip_grad: float = Field(default=1.0, gt=0.0)
     """Global gradient-norm clip."""
     lr_warmup_steps: int = Field(default=0, ge=0)
-    """Linear warm-up steps."""
+    """Linear warm-up, in optimizer steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
     lr_decay_steps: int | None = Field(default=None, ge=1)
-    """Steps over which the rate decays to ``min_lr`` (warm-up included); a recipe that leaves it out gets
-    ``grpo.max_num_steps`` at load. Must exceed ``lr_warmup_steps`` for a linear or cosine schedule."""
+    """Optimizer steps over which the rate decays to ``min_lr`` (warm-up included; NeMo-RL's
+    ``lr_decay_iters``); a recipe that leaves it out gets ``grpo.max_num_steps`` x the optimizer steps per
+    rollout batch at load. Must exceed ``lr_warmup_steps`` for a linear or cosine schedule."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
 
@@ -91,3 +93,17 @@ class LossConfig(ConfigModel):
     """tis: w = min(ratio, c). icepop: w = ratio inside [1/c, c], 0 outside (token masked)."""
     reference_policy_kl_penalty: float = Field(default=0.0, ge=0.0)
     """Weight of the k3 KL to the reference (initial) policy; 0 disables the reference model."""
+
+
+class TrainStepConfig(ConfigModel):
+    """The GRPO options one :meth:`learner.trainer.Learner.train_step` applies (``grpo.*``,
+    ``policy.train_global_batch_size``)."""
+
+    train_global_batch_size: int | None = Field(default=None, ge=1)
+    """Samples per optimizer step; the rollout batch (every trajectory, failed ones included) must be a
+    multiple of it. None: the whole batch is one optimizer step."""
+    use_leave_one_out_baseline: bool = False
+    """A sample's baseline is the mean reward of the other valid samples of its group (RLOO)."""
+    overlong_filtering: bool = False
+    """Samples with ``finish_reason == "length"`` keep their reward in the group's baseline but contribute
+    no token to the loss."""

@@ -1,8 +1,8 @@
 """The GRPO loss, its advantages and its metrics.
 
 :func:`group_advantages`: group-relative advantages (sample std, or the mean
-difference alone); an all-equal group has exactly zero advantages and is
-counted. :func:`per_token_loss`: the clipped surrogate with the ``tis`` /
+difference alone; or the leave-one-out baseline of RLOO); an all-equal group
+has exactly zero advantages and is counted. :func:`per_token_loss`: the clipped surrogate with the ``tis`` /
 ``icepop`` importance weight (no gradient) and the k3 KL penalty, per response
 token; the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
 the **global** batch, so micro-batch gradients add up to one masked mean.
@@ -22,18 +22,35 @@ import torch
 from learner.config import LossConfig
 
 ADVANTAGE_EPS = 1e-6
-PART_KEYS = ("ratio", "is_weight", "gen_kl", "policy_kl", "mult_prob_error")
+PART_KEYS = ("ratio", "is_weight", "gen_kl", "policy_kl", "mult_prob_error", "clipped", "entropy")
 
 
-def group_advantages(rewards: list[float], normalize: bool) -> tuple[np.ndarray, bool]:
+def group_advantages(rewards: list[float], normalize: bool,
+                     leave_one_out: bool = False) -> tuple[np.ndarray, bool]:
     """Advantages of one group's valid samples, and whether the group has no signal (all zero)."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size < 2 or np.all(r == r[0]):
         return np.zeros(r.size, dtype=np.float32), True
+    if leave_one_out:
+        return leave_one_out_advantages(r, normalize).astype(np.float32), False
     centred = r - r.mean()
     if normalize:
         centred = centred / (r.std(ddof=1) + ADVANTAGE_EPS)
     return centred.astype(np.float32), False
+
+
+def leave_one_out_advantages(r: np.ndarray, normalize: bool) -> np.ndarray:
+    """RLOO (NeMo-RL ``calculate_baseline_and_std_per_prompt(leave_one_out_baseline=True)``): the baseline of
+    sample i is the mean of the other n-1 rewards, its std the population std of those n-1 rewards; with
+    ``normalize`` the difference is divided by ``std + 1e-6`` where that std is > 0 (else left as it is)."""
+    n = r.size
+    baseline = (r.sum() - r) / (n - 1)
+    sq = ((r * r).sum() - r * r) / (n - 1)
+    std = np.sqrt(np.clip(sq - baseline * baseline, 0.0, None))
+    adv = r - baseline
+    if normalize:
+        adv = np.where(std > 0, adv / (std + ADVANTAGE_EPS), adv)
+    return adv
 
 
 def k3(lp_sampler: torch.Tensor, lp_other: torch.Tensor) -> torch.Tensor:
@@ -76,7 +93,9 @@ def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[t
             raise ValueError("reference_policy_kl_penalty > 0 needs the reference policy's log-probs (lp_ref)")
         loss = loss + cfg.reference_policy_kl_penalty * k3(lp, x.lp_ref)
     with torch.no_grad():
-        parts = {"ratio": ratio.detach(), "is_weight": w,
+        binds = ((x.advantages > 0) & (ratio > 1.0 + cfg.ratio_clip_max)) | \
+                ((x.advantages < 0) & (ratio < 1.0 - cfg.ratio_clip_min))
+        parts = {"ratio": ratio.detach(), "is_weight": w, "clipped": binds.to(ratio.dtype),
                  "gen_kl": k3(x.lp_gen, x.lp_prev), "policy_kl": k3(x.lp_prev, lp.detach()),
                  "mult_prob_error": torch.exp(torch.abs(x.lp_prev - x.lp_gen))}
     return loss, parts
@@ -137,5 +156,7 @@ class LossStats:
             "probs_ratio_max": self.maxs.get("ratio", 1.0),
             "is_weight_mean": mean.get("is_weight", 1.0),
             "is_weight_max": self.maxs.get("is_weight", 1.0),
+            "clip_fraction": mean.get("clipped", 0.0),
+            "token_entropy_mean": mean.get("entropy", 0.0),
             "num_valid_tokens": float(self.tokens),
         }

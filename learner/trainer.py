@@ -1,11 +1,14 @@
-"""The learner: one GRPO optimizer step per call on a global batch of trajectory groups.
+"""The learner: one GRPO step per call on a global batch of trajectory groups.
 
 :meth:`Learner.train_step` keeps the valid samples and their group-relative
-advantages, packs them into micro-batches dealt over data-parallel ranks, runs
-forward/backward of ``Σ loss_t / N`` per micro-batch (π_prev is that same
-forward, detached; π_ref from a frozen copy when the KL penalty is on), and
-applies one Megatron optimizer step only if the loss and every gradient are
-finite; otherwise the step is skipped and nothing changes.
+advantages (overlong ones filtered out of the loss when asked), splits them into
+``train_global_batch_size``-trajectory optimizer steps (one by default), packs
+each into micro-batches dealt over data-parallel ranks, runs forward/backward of
+``Σ loss_t / N`` per micro-batch (π_prev: that same forward, detached, with one
+optimizer step; a no-grad forward of the whole batch before the first update
+with several; π_ref from a frozen copy when the KL penalty is on), and applies a
+Megatron optimizer step only if its loss and every gradient are finite;
+otherwise that optimizer step is skipped and changes nothing.
 
 One process per rank (Ray actors in production, spawned processes in tests);
 every method that touches weights is collective over the model's ranks. The
@@ -24,14 +27,15 @@ import torch
 import torch.distributed as dist
 
 from learner import checkpoint, hf_weights
-from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from learner.batch import Sample, StepBatch, collect, split, summary_stats
+from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
-from learner.logprobs import response_logprobs_no_grad, response_slices, token_logprobs
-from learner.loss import LossStats, TokenInputs, group_advantages, per_token_loss
+from learner.logprobs import EntropyTap, response_logprobs_no_grad, response_slices, token_logprobs
+from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
 from learner.packing import MicroBatch, deal, pack
-from protocol.messages import Trajectory, TrajectoryGroup, WeightBucket, WeightManifest
+from protocol.messages import TrajectoryGroup, WeightBucket, WeightManifest
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -40,31 +44,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _reward(t: Trajectory) -> float:
-    if t.reward is None:
-        raise ValueError("a valid trajectory (finish_reason != 'error') must carry a reward, got None")
-    return float(t.reward)
-
-
 @dataclass
-class Sample:
-    """One valid trajectory, ready to pack: prompt+response tokens and its per-token inputs."""
-
-    tokens: np.ndarray
-    prompt_len: int
-    lp_gen: np.ndarray
-    advantage: float
-
-
-@dataclass
-class StepBatch:
-    """The samples of one global batch and the group-level counts."""
+class Prepared:
+    """One optimizer step's samples packed and dealt to this rank."""
 
     samples: list[Sample]
-    rewards: list[float]
-    zero_advantage_groups: int
-    failed_samples: int
-    truncated_samples: int
+    mine: list[MicroBatch]
+    prompt_lens: list[int]
+    fill: float
+    num_micro_batches: int
+    pad_tokens: int
+    local_tokens: int
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    applied: bool
+    grad_norm: float
+    reason: str
+    nonfinite_loss: bool
+    nonfinite_grad: bool
 
 
 class Learner:
@@ -79,7 +80,8 @@ class Learner:
     """The frozen initial policy for the KL penalty (None when the penalty is off)."""
 
     def __init__(self, model_path: str, megatron: MegatronConfig, loss: LossConfig, packing: SequencePackingConfig,
-                 max_total_sequence_length: int, normalize_rewards: bool = True, seed: int = 42):
+                 max_total_sequence_length: int, normalize_rewards: bool = True, seed: int = 42,
+                 step_config: TrainStepConfig | None = None):
         if packing.enabled and packing.train_mb_tokens < max_total_sequence_length:
             raise ValueError(f"sequence_packing.train_mb_tokens ({packing.train_mb_tokens}) must be >= "
                              f"max_total_sequence_length ({max_total_sequence_length})")
@@ -87,6 +89,7 @@ class Learner:
         self.loss_cfg, self.packing, self.megatron = loss, packing, megatron
         self.max_total_sequence_length = max_total_sequence_length
         self.normalize_rewards = normalize_rewards
+        self.step_cfg = step_config if step_config is not None else TrainStepConfig()
         self.policy_version = 0
         self.step = 0
         self.last_skip_reason = ""
@@ -103,6 +106,8 @@ class Learner:
                               megatron.optimizer.use_distributed_optimizer)
         self.optim = build_optimizer(self.model, megatron.optimizer, self.bf16)
         self.reference = self._build_reference() if loss.reference_policy_kl_penalty > 0 else None
+        from megatron.core import parallel_state as ps
+        self.entropy_tap = EntropyTap(self.gpt, ps.get_tensor_model_parallel_group())
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -136,31 +141,19 @@ class Learner:
     # ------------------------------------------------------------------ batch preparation
 
     def _collect(self, groups: list[TrajectoryGroup]) -> StepBatch:
-        samples, rewards = [], []
-        zero_groups = failed = truncated = 0
-        limit = self.max_total_sequence_length
-        for g in groups:
-            valid = g.valid
-            failed += len(g.trajectories) - len(valid)
-            if not valid:
-                continue
-            group_rewards = [_reward(t) for t in valid]
-            advantages, no_signal = group_advantages(group_rewards, self.normalize_rewards)
-            zero_groups += int(no_signal)
-            prompt = np.asarray(g.prompt_ids, dtype=np.int64)
-            if prompt.size < 1 or prompt.size >= limit:
-                raise ValueError(f"group {g.group_id}: prompt has {prompt.size} tokens, must be in "
-                                 f"[1, max_total_sequence_length={limit})")
-            for t, reward, adv in zip(valid, group_rewards, advantages, strict=True):
-                rewards.append(reward)
-                room = limit - prompt.size
-                resp, lp_gen = t.response_ids[:room], t.logprobs[:room]
-                truncated += int(resp.size < t.response_ids.size)
-                if resp.size == 0:
-                    continue
-                samples.append(Sample(np.concatenate([prompt, resp.astype(np.int64)]), int(prompt.size),
-                                      np.asarray(lp_gen, dtype=np.float32), float(adv)))
-        return StepBatch(samples, rewards, zero_groups, failed, truncated)
+        return collect(groups, self.max_total_sequence_length, self.normalize_rewards, self.step_cfg)
+
+    def _split(self, batch: StepBatch) -> list[list[Sample]]:
+        return split(batch, self.step_cfg.train_global_batch_size)
+
+    def _prepare(self, samples: list[Sample]) -> Prepared:
+        dp_rank, dp_size, _ = self._dp()
+        micro_batches, fill = self._pack([s.tokens for s in samples]) if samples else ([], 0.0)
+        mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
+        mine = [mb.to(self.device) for mb in mine]
+        prompt_lens = [s.prompt_len for s in samples]
+        local_tokens = sum(sl.stop - sl.start for mb in mine for sl in response_slices(mb, prompt_lens))
+        return Prepared(samples, mine, prompt_lens, fill, len(micro_batches), pad_tokens, local_tokens)
 
     def _pack(self, sequences: list[np.ndarray]) -> tuple[list[MicroBatch], float]:
         budget = self.packing.train_mb_tokens
@@ -174,79 +167,130 @@ class Learner:
     # ------------------------------------------------------------------ training
 
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One optimizer step on all ``groups`` (the global batch); returns the step's metrics."""
+        """One GRPO step on all ``groups`` (the global batch): one optimizer step, or one per
+        ``train_global_batch_size`` trajectories; returns the step's metrics."""
         t_start = time.perf_counter()
         batch = self._collect(groups)
-        dp_rank, dp_size, dp_group = self._dp()
-        micro_batches, fill = self._pack([s.tokens for s in batch.samples]) if batch.samples else ([], 0.0)
-        mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
-        mine = [mb.to(self.device) for mb in mine]
-        prompt_lens = [s.prompt_len for s in batch.samples]
-
+        _, _, dp_group = self._dp()
         self.model.train()
-        lp_ref = self._logprobs_by_index(self.reference, mine, prompt_lens) if self.reference is not None else None
-        local_tokens = sum(sl.stop - sl.start for mb in mine for sl in response_slices(mb, prompt_lens))
-        n_global = torch.tensor([local_tokens], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
+        preps = [self._prepare(samples) for samples in self._split(batch)]
+        n_global = torch.tensor([p.local_tokens for p in preps], dtype=torch.float64,
+                                device=self.device)  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
-        n_global_f = float(n_global.item())
+        n_mini = [float(v) for v in n_global.tolist()]
+        n_total = sum(n_mini)
 
-        self.model.zero_grad_buffer()
-        self.optim.zero_grad()
+        prev: list[dict[int, torch.Tensor] | None] = [None] * len(preps)
+        prev_s = 0.0
+        if len(preps) > 1:
+            # pi_prev: every optimizer step after the first runs on updated weights, so the log-probs of the
+            # weights the batch started from come from one no-grad forward of the whole batch, before any update
+            t0 = time.perf_counter()
+            prev = [self._logprobs_by_index(self.model, p.mine, p.prompt_lens) for p in preps]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            prev_s = time.perf_counter() - t0
+
         stats = LossStats()
-        for mb in mine:
-            lp = token_logprobs(self.model, mb)
-            if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
-                lp[:0].sum().backward()
-                continue
-            lp_resp = torch.cat([lp[s] for s in response_slices(mb, prompt_lens)])
-            # pi_prev: the whole batch is one optimizer step, so every forward of this step runs on the
-            # weights the step started from -- pi_prev is this forward, detached (a separate no-grad pass
-            # gives the same numbers and costs a third of the step; measured in bench/learner_step.py).
-            x = self._token_inputs(mb, batch.samples, lp_resp.detach(), lp_ref)
-            loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
-            mb_loss = loss_t.sum() / n_global_f
-            mb_loss.backward()
-            stats.add(parts, float(mb_loss.detach()))
-        self.model.finish_grad_sync()
+        shares = [n / n_total if len(preps) > 1 and n_total > 0 else 1.0 for n in n_mini]
+        outcomes = [self._optimizer_step(p, n, share, lp_prev, stats)
+                    for p, n, share, lp_prev in zip(preps, n_mini, shares, prev, strict=True)]
         stats.all_reduce(dp_group, self.device)
 
-        nonfinite_loss = not np.isfinite(stats.loss)
-        nonfinite_grad = self._any_nonfinite_grad()
-        applied, grad_norm = False, float("nan")
-        if n_global_f == 0:
-            self.last_skip_reason = "no valid response tokens in the batch"
-        elif nonfinite_loss or nonfinite_grad:
-            self.last_skip_reason = f"non-finite {'loss' if nonfinite_loss else 'gradient'}"
-        else:
-            applied, grad_norm = self.optim.step()
-            self.last_skip_reason = "" if applied else "optimizer rejected the step"
+        applied = [o for o in outcomes if o.applied]
+        skipped = [o for o in outcomes if not o.applied]
         if applied:
             self.policy_version += 1
+            self.last_skip_reason = ""
+            for o in skipped:
+                log.warning("learner step %d: an optimizer step of %d skipped: %s", self.step, len(outcomes),
+                            o.reason)
         else:
+            self.last_skip_reason = skipped[-1].reason
             log.warning("learner step %d skipped: %s", self.step, self.last_skip_reason)
         self.step += 1
 
         elapsed = time.perf_counter() - t_start
         total_tokens = float(sum(s.tokens.size for s in batch.samples))
+        num_micro = sum(p.num_micro_batches for p in preps)
+        fill = (sum(p.fill * p.num_micro_batches for p in preps) / num_micro) if num_micro else 0.0
+        if len(preps) == 1:
+            fill = preps[0].fill
+        valid = max(len(batch.rewards), 1)
         metrics = stats.metrics()
         metrics.update({
             "reward_mean": float(np.mean(batch.rewards)) if batch.rewards else 0.0,
+            **{k: v for k, v in summary_stats(batch.rewards, "reward").items() if k != "reward_mean"},
+            **summary_stats([float(n) for n in batch.response_lengths], "response_length"),
+            "truncation_rate": batch.length_finished / valid if batch.rewards else 0.0,
+            "overlong_filtered_samples": float(batch.overlong_filtered),
             "zero_advantage_groups": float(batch.zero_advantage_groups),
             "failed_samples": float(batch.failed_samples),
             "truncated_samples": float(batch.truncated_samples),
-            "grad_norm": grad_norm,
+            "grad_norm": float(np.mean([o.grad_norm for o in applied])) if applied else float("nan"),
             "step_skipped": float(not applied),
-            "nonfinite_loss": float(nonfinite_loss),
-            "nonfinite_grad": float(nonfinite_grad),
+            "optimizer_steps": float(len(applied)),
+            "skipped_optimizer_steps": float(len(skipped)),
+            "nonfinite_loss": float(any(o.nonfinite_loss for o in outcomes)),
+            "nonfinite_grad": float(any(o.nonfinite_grad for o in outcomes)),
             "lr": self.optim.lr,
             "policy_version": float(self.policy_version),
             "policy_training_s": elapsed,
+            "prev_logprobs_s": prev_s,
             "tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
             "fill_ratio": fill,
-            "num_micro_batches": float(len(micro_batches)),
-            "pad_tokens": float(pad_tokens),
+            "num_micro_batches": float(num_micro),
+            "pad_tokens": float(sum(p.pad_tokens for p in preps)),
         })
         return metrics
+
+    def _optimizer_step(self, prep: Prepared, n_global: float, loss_share: float,
+                        lp_prev: dict[int, torch.Tensor] | None, stats: LossStats) -> StepOutcome:
+        """Forward/backward of ``Σ loss_t / n_global`` over ``prep`` and one optimizer step if everything is
+        finite. ``lp_prev`` None: π_prev is the training forward, detached (a single optimizer step per batch).
+        ``loss_share`` (n_global / the batch's tokens) weights this step's loss in the ``loss`` metric."""
+        mine, prompt_lens, samples = prep.mine, prep.prompt_lens, prep.samples
+        lp_ref = self._logprobs_by_index(self.reference, mine, prompt_lens) if self.reference is not None else None
+        self.model.zero_grad_buffer()
+        self.optim.zero_grad()
+        local_loss = 0.0
+        for mb in mine:
+            self.entropy_tap.arm()
+            lp = token_logprobs(self.model, mb)
+            entropy = self.entropy_tap.take()
+            if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
+                lp[:0].sum().backward()
+                continue
+            slices = response_slices(mb, prompt_lens)
+            lp_resp = torch.cat([lp[s] for s in slices])
+            # one optimizer step: every forward of the step runs on the weights the step started from, so
+            # pi_prev is this forward, detached (a separate no-grad pass gives the same numbers)
+            prev = lp_resp.detach() if lp_prev is None else torch.cat([lp_prev[seg.index] for seg in mb.segments])
+            x = self._token_inputs(mb, samples, prev, lp_ref)
+            loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
+            parts["entropy"] = torch.cat([entropy[s] for s in slices]).to(lp_resp.dtype)
+            mb_loss = loss_t.sum() / n_global
+            mb_loss.backward()
+            value = float(mb_loss.detach())
+            local_loss += value
+            stats.add(parts, value * loss_share)
+        self.model.finish_grad_sync()
+
+        loss = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+        _, dp_size, dp_group = self._dp()
+        if dp_size > 1:
+            dist.all_reduce(loss, group=dp_group)
+        nonfinite_loss = not bool(torch.isfinite(loss).all())
+        nonfinite_grad = self._any_nonfinite_grad()
+        applied, grad_norm = False, float("nan")
+        if n_global == 0:
+            reason = "no valid response tokens in the batch"
+        elif nonfinite_loss or nonfinite_grad:
+            reason = f"non-finite {'loss' if nonfinite_loss else 'gradient'}"
+        else:
+            applied, grad_norm = self.optim.step()
+            reason = "" if applied else "optimizer rejected the step"
+        return StepOutcome(applied, grad_norm, reason, nonfinite_loss, nonfinite_grad)
 
     def _logprobs_by_index(self, model, micro_batches: list[MicroBatch],
                            prompt_lens: list[int]) -> dict[int, torch.Tensor]:

@@ -86,10 +86,13 @@ def _check_data(recipe: Recipe) -> None:
 
 
 def _resolve_lr_decay_steps(recipe: Recipe) -> None:
-    """``lr_decay_steps`` defaults to ``grpo.max_num_steps``; a decaying schedule must outlast its warm-up."""
+    """``lr_decay_steps`` (optimizer steps) defaults to ``grpo.max_num_steps`` x the optimizer steps per rollout
+    batch; a decaying schedule must outlast its warm-up."""
     o = recipe.policy.megatron_cfg.optimizer
     if o.lr_decay_steps is None:
-        o.lr_decay_steps = recipe.grpo.max_num_steps
+        g, size = recipe.grpo, recipe.policy.train_global_batch_size
+        batch = g.num_prompts_per_step * g.num_generations_per_prompt
+        o.lr_decay_steps = g.max_num_steps * (max(1, batch // size) if size is not None else 1)
     if o.lr_decay_style != "constant" and o.lr_warmup_steps >= o.lr_decay_steps:
         raise ValueError(f"policy.megatron_cfg.optimizer.lr_warmup_steps ({o.lr_warmup_steps}) must be < "
                          f"lr_decay_steps ({o.lr_decay_steps}; default grpo.max_num_steps) for "

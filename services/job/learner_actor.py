@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from protocol import TrajectoryGroup, decode, encode
 
 if TYPE_CHECKING:
@@ -43,12 +43,17 @@ class LearnerSpec:
     max_total_sequence_length: int
     normalize_rewards: bool
     seed: int
+    step_config: TrainStepConfig
+    """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``."""
 
     @classmethod
     def of(cls, recipe: Recipe, model: ModelFiles | str) -> LearnerSpec:
-        p = recipe.policy
+        p, g = recipe.policy, recipe.grpo
+        step = TrainStepConfig(train_global_batch_size=p.train_global_batch_size,
+                               use_leave_one_out_baseline=g.use_leave_one_out_baseline,
+                               overlong_filtering=g.overlong_filtering)
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
-                   recipe.grpo.normalize_rewards, recipe.grpo.seed)
+                   g.normalize_rewards, g.seed, step)
 
 
 class LearnerActor:
@@ -78,7 +83,7 @@ class LearnerActor:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         s = self.spec
         self.learner = Learner(ensure_local(s.model), s.megatron, s.loss, s.packing, s.max_total_sequence_length,
-                               normalize_rewards=s.normalize_rewards, seed=s.seed)
+                               normalize_rewards=s.normalize_rewards, seed=s.seed, step_config=s.step_config)
         return self.learner.policy_version
 
     def version(self) -> int:

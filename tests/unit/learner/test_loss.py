@@ -135,3 +135,60 @@ def test_global_token_normalisation_is_not_a_mean_of_micro_batch_means():
         stats.add(parts, float(loss.sum() / n_global))
     assert stats.metrics()["loss"] == pytest.approx(-1.0)  # mean of micro-batch means would be -2
     assert stats.metrics()["num_valid_tokens"] == 4
+
+
+def test_leave_one_out_advantages_against_a_hand_computation():
+    r = [1.0, 0.0, 0.0, 2.0]
+    adv, zero = group_advantages(r, normalize=False, leave_one_out=True)
+    # baseline_i = mean of the other three rewards
+    np.testing.assert_allclose(adv, [1 - 2 / 3, 0 - 1.0, 0 - 1.0, 2 - 1 / 3], rtol=1e-6)
+    assert not zero
+    adv_n, _ = group_advantages(r, normalize=True, leave_one_out=True)
+    others = [[0.0, 0.0, 2.0], [1.0, 0.0, 2.0], [1.0, 0.0, 2.0], [1.0, 0.0, 0.0]]
+    expected = [(ri - np.mean(o)) / (np.std(o) + 1e-6) for ri, o in zip(r, others)]  # population std (NeMo-RL)
+    np.testing.assert_allclose(adv_n, expected, rtol=1e-6)
+
+
+def test_leave_one_out_with_equal_others_is_not_divided_and_equal_groups_stay_zero():
+    adv, _ = group_advantages([1.0, 0.0, 0.0], normalize=True, leave_one_out=True)
+    # sample 0's others are [0, 0] (std 0): its advantage stays 1 - 0; the others see [1, 0] (std 0.5)
+    np.testing.assert_allclose(adv, [1.0, -0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)], rtol=1e-6)
+    adv, zero = group_advantages([0.7, 0.7, 0.7], normalize=True, leave_one_out=True)
+    assert zero and np.all(adv == 0)
+
+
+def test_clip_fraction_counts_the_tokens_where_the_clip_binds():
+    cfg = LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, use_importance_sampling_correction=False)
+    ratios = [1.5, 1.5, 0.5, 0.5, 1.1, 1.5]
+    adv = [1.0, -1.0, 1.0, -1.0, 2.0, 0.0]
+    lp = torch.log(torch.tensor(ratios, dtype=torch.float64))
+    _, parts = per_token_loss(lp, _inputs([0.0] * 6, [0.0] * 6, adv), cfg)
+    # binds: A>0 & rho>1.28 (token 0), A<0 & rho<0.8 (token 3); not where min picks the unclipped term or A=0
+    np.testing.assert_array_equal(parts["clipped"].numpy(), [1, 0, 0, 1, 0, 0])
+    stats = LossStats()
+    stats.add(parts, 0.0)
+    assert stats.metrics()["clip_fraction"] == pytest.approx(2 / 6)
+
+
+def test_clipped_surrogate_with_weights_and_global_normalisation_by_hand():
+    """Two micro-batches of 2 and 1 tokens, off-policy, tis c = 1.5: loss = Σ_t -w_t·min(ρA, clip(ρ)A) / 3."""
+    cfg = LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.2, truncated_importance_sampling_ratio=1.5)
+    lp_theta = [[-1.0, -0.5], [-2.0]]
+    lp_prev = [[-1.2, -0.2], [-2.0]]
+    lp_gen = [[-1.0, -1.0], [-2.5]]
+    adv = [[1.0, -2.0], [0.5]]
+    expected = 0.0
+    for mb in range(2):
+        for th, pr, ge, a in zip(lp_theta[mb], lp_prev[mb], lp_gen[mb], adv[mb]):
+            rho, w = math.exp(th - pr), min(math.exp(pr - ge), 1.5)
+            expected += -w * min(rho * a, min(max(rho, 0.8), 1.2) * a) / 3
+    stats = LossStats()
+    for mb in range(2):
+        x = _inputs(lp_prev[mb], lp_gen[mb], adv[mb])
+        loss, parts = per_token_loss(torch.tensor(lp_theta[mb], dtype=torch.float64), x, cfg)
+        stats.add(parts, float(loss.sum() / 3))
+    # token 0: rho = e^0.2 = 1.22 > 1.2 with A > 0 -> clipped at 1.2; token 1: rho = e^-0.3 = 0.74 with A < 0
+    assert stats.metrics()["loss"] == pytest.approx(expected, rel=1e-12)
+    # w: e^-0.2, min(e^0.8, 1.5) = 1.5, min(e^0.5, 1.5) = 1.5
+    assert expected == pytest.approx((-math.exp(-0.2) * 1.2 * 1.0 - 1.5 * 0.8 * -2.0 - 1.5 * 1.0 * 0.5) / 3)
+    assert stats.metrics()["clip_fraction"] == pytest.approx(2 / 3)
