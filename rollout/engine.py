@@ -182,13 +182,15 @@ class RolloutEngine:
         return dead_reason(self._llm) if self._llm is not None else ""
 
     # ------------------------------------------------------------------ sampling
-    async def generate_group(self, request: PromptRequest, group_size: int) -> TrajectoryGroup:
-        """Sample ``group_size`` answers to ``request``, score them, and return the group."""
+    async def generate_group(self, request: PromptRequest, group_size: int,
+                             temperature: float | None = None) -> TrajectoryGroup:
+        """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
+        overrides ``generation.temperature`` (0: greedy)."""
         if group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {group_size}")
         self._require_started()
         self.installer.require_consistent()
-        return await self.sampler.group(request, group_size)
+        return await self.sampler.group(request, group_size, temperature)
 
     async def generate(self, requests: list[PromptRequest], group_size: int) -> AsyncIterator[TrajectoryGroup]:
         """Generate a group per request concurrently; yield each group as soon as it is complete."""
@@ -200,6 +202,13 @@ class RolloutEngine:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def evaluate(self, requests: list[PromptRequest], group_size: int,
+                       temperature: float) -> list[TrajectoryGroup | BaseException]:
+        """Validation: a scored group per request at ``temperature`` (0: greedy), concurrently with whatever
+        else the engine runs; each request's group, or the exception that stopped it, in request order."""
+        return list(await asyncio.gather(*(self.generate_group(r, group_size, temperature) for r in requests),
+                                         return_exceptions=True))
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
         """The engine's log-prob of each response token given its prompt and the tokens before it."""

@@ -25,7 +25,8 @@ from rollout.config import GenerationConfig
 from rollout.errors import EngineError
 from rollout.labels import VersionLabels
 from rollout.liveness import EngineDead
-from rollout.rewards import RewardFailure, RewardFn, RewardInput, score_group
+from rollout.reward_env import RewardEnv, score_samples
+from rollout.rewards import RewardFailure, RewardFn, RewardInput
 from rollout.streamed import StreamedSample
 
 REWARD_WORKERS = 4
@@ -70,6 +71,8 @@ class SamplingStats:
     """Attempts past their deadline, aborted in the engine."""
     reward_failures: int = 0
     """Samples whose reward could not be computed (they fail, never score 0)."""
+    reward_timeouts: int = 0
+    """Reward calls killed at ``env.<name>.timeout_s`` in a named environment's worker processes."""
 
 
 class GroupSampler:
@@ -95,16 +98,23 @@ class GroupSampler:
 
     def shutdown(self) -> None:
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self.reward_fn, RewardEnv):
+            self.reward_fn.close()  # its worker processes
 
-    async def group(self, request: PromptRequest, group_size: int) -> TrajectoryGroup:
-        """Sample ``group_size`` answers to ``request``, score them, and return the group."""
-        results = await asyncio.gather(*(self._sample_with_retries(request, i) for i in range(group_size)))
+    async def group(self, request: PromptRequest, group_size: int,
+                    temperature: float | None = None) -> TrajectoryGroup:
+        """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
+        overrides ``generation.temperature`` (validation; 0 is greedy)."""
+        results = await asyncio.gather(*(self._sample_with_retries(request, i, temperature)
+                                         for i in range(group_size)))
         if any(isinstance(r, SampleFailed) for r in results) and (reason := self._dead_reason()):
             raise EngineDead(f"rollout engine {self.engine_id}: {reason} (prompt {request.prompt_id})")
         done = [(i, r) for i, r in enumerate(results) if isinstance(r, _Sample)]
-        scores = await score_group(self.reward_fn, [RewardInput(s.text, s.token_ids, dict(request.task))
-                                                    for _, s in done],
-                                   self.reward_timeout_s, self._reward_pool)
+        scores = await score_samples(self.reward_fn, [RewardInput(s.text, list(s.token_ids), dict(request.task))
+                                                      for _, s in done],
+                                     self.reward_timeout_s, self._reward_pool)
+        if isinstance(self.reward_fn, RewardEnv):
+            self.stats.reward_timeouts = self.reward_fn.workers.timeouts
         trajectories: list[Trajectory] = []
         score_of = {i: score for (i, _), score in zip(done, scores, strict=True)}
         for i, result in enumerate(results):
@@ -117,7 +127,8 @@ class GroupSampler:
                 self.stats.reward_failures += 1
             else:
                 trajectories.append(Trajectory(np.asarray(result.token_ids), np.asarray(result.logprobs),
-                                               result.versions, score, result.finish_reason))
+                                               result.versions, score.reward, result.finish_reason,
+                                               reward_components=dict(score.components)))
                 self.stats.samples_ok += 1
                 self.stats.tokens_generated += len(result.token_ids)
         self.stats.groups += 1
@@ -146,12 +157,14 @@ class GroupSampler:
                             dtype=np.float32)
         return list(await asyncio.gather(*(one(p, r) for p, r in zip(prompt_ids, response_ids, strict=True))))
 
-    def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False, **extra: Any):
+    def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False,
+                         temperature: float | None = None, **extra: Any):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         g = self.generation
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=g.temperature,
+        temperature = g.temperature if temperature is None else temperature
+        return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=temperature,
                               top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
                               seed=seed, output_kind=kind, **extra)
 
@@ -190,11 +203,12 @@ class GroupSampler:
             raise SampleFailed("the engine ended the request without a final output")
         return final
 
-    async def _sample_once(self, request: PromptRequest, index: int, attempt: int) -> _Sample:
+    async def _sample_once(self, request: PromptRequest, index: int, attempt: int,
+                           temperature: float | None = None) -> _Sample:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
         request_id = self._new_request_id()
         streamed = self.labels.open(request_id, self._version())
-        params = self._sampling_params(seed, stream=streamed is not None, logprobs=0)
+        params = self._sampling_params(seed, stream=streamed is not None, temperature=temperature, logprobs=0)
         try:
             out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
                                           streamed, request_id)
@@ -221,13 +235,14 @@ class GroupSampler:
             raise SampleFailed(str(exc)) from None
         return _Sample(ids, lps, versions, c.finish_reason, c.text)
 
-    async def _sample_with_retries(self, request: PromptRequest, index: int) -> _Sample | SampleFailed:
+    async def _sample_with_retries(self, request: PromptRequest, index: int,
+                                   temperature: float | None = None) -> _Sample | SampleFailed:
         failure = SampleFailed("not attempted")
         for attempt in range(self.generation.max_retries + 1):
             if attempt:
                 self.stats.retries += 1
             try:
-                return await self._sample_once(request, index, attempt)
+                return await self._sample_once(request, index, attempt, temperature)
             except SampleFailed as exc:
                 self.stats.attempts_failed += 1
                 failure = exc

@@ -9,7 +9,8 @@ being the learner's at the start of the step) or has **fewer than two valid
 samples** (failed samples carry no reward: no advantage can be formed).
 Groups for later steps wait; a second group for a buffered prompt is refused
 by ``add``. The raw protocol bytes are kept beside each group so the learner
-actors decode them without re-encoding.
+actors decode them without re-encoding. ``drops`` also counts the groups the
+prompt book drops before buffering them (dynamic sampling's ``zero_advantage``).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@
 ``collect``, ``train``, ``push_weights`` and ``finish_step`` (and, colocated, ``sleep_engines`` /
 ``wake_engines``). The job holds the parts behind them: the prompt book (:mod:`services.job.prompt_book`),
 the parity probe (:mod:`services.job.parity`), the weight transport (:mod:`services.refit`), skipped steps
-(:mod:`services.job.skips`), the run log and checkpoints. It reaches the pool only through its
-DeploymentHandle; what each verb does is in ``docs/architecture.md`` ("The learner job").
+(:mod:`services.job.skips`), the validator (:mod:`services.job.validation`), the run log and checkpoints.
+It reaches the pool only through its DeploymentHandle; what each verb does is in ``docs/architecture.md``
+("The learner job").
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from protocol import PromptRequest, encode
 from services.channel import ChannelTimeout, TrajectoryChannel
+from services.job.batch_stats import batch_stats
 from services.job.buffer import BufferedGroup
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.parity import ParityProbe, fixed_sequences
@@ -27,6 +29,7 @@ from services.job.prompt_book import PromptBook, Undelivered
 from services.job.prompt_source import PromptSource
 from services.job.run_log import RunLog, StepTimer
 from services.job.skips import SkippedSteps
+from services.job.validation import Validator, validation_prompts
 from services.refit import RefitResult, make_refit
 
 if TYPE_CHECKING:
@@ -57,7 +60,9 @@ class LearnerJob:
         self.last_step, self.group_size = g.max_num_steps, g.num_generations_per_prompt
         self.collect_timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
         self.book = PromptBook(PromptSource.of_task(recipe, model_path), self._submit, g.num_prompts_per_step,
-                               g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0)
+                               g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
+                               max_prompts_per_step=g.dynamic_sampling_max_gen_batches * g.num_prompts_per_step
+                               if g.use_dynamic_sampling else None)
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
         self.version = int(learner.call("version"))
@@ -68,12 +73,14 @@ class LearnerJob:
         self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
         self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled)
         self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
+        self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool) \
+            if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
             self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
         if not self.parity.sequences:
-            self.parity.sequences = fixed_sequences([p.prompt_ids for p in self.book.source.prompts],
-                                                    recipe.logger.parity_probe_sequences,
-                                                    recipe.policy.max_total_sequence_length)
+            self.parity.sequences = fixed_sequences(
+                self.book.source.first_prompt_ids(recipe.logger.parity_probe_sequences + 1),
+                recipe.logger.parity_probe_sequences, recipe.policy.max_total_sequence_length)
         pool.attach.remote(self.id, self.channel).result(timeout_s=60)
 
     # ------------------------------------------------------------ the loop's verbs
@@ -82,6 +89,8 @@ class LearnerJob:
         with none outstanding (a fresh run), schedule the next ``prefetch`` steps."""
         self.push_weights(reset=True)
         self.checked_parity()
+        if self.validator is not None and self.validator.at_start and self.step == 0:
+            self.validate_at_start()
         if not self.book.resubmit_outstanding():
             for step in range(self.step + 1, self.step + 1 + prefetch):
                 self.schedule(step)
@@ -152,6 +161,9 @@ class LearnerJob:
         metrics["trajectory_ages"] = ages
         metrics["trajectory_age_mean"] = float(np.mean(ages))
         metrics["trajectory_age_max"] = float(np.max(ages))
+        metrics.update(batch_stats([b.group for b in buffered]).metrics())  # services.job.batch_stats
+        sampling = self.book.sampling_stats(buffered[0].group.scheduled_step, buffered)
+        metrics.update(sampling.metrics() if sampling else {})
         return metrics
 
     def sleep_engines(self) -> None:
@@ -185,8 +197,13 @@ class LearnerJob:
         self.step = step
         with timer.phase("parity_probe"):
             parity = self.checked_parity()  # after a skipped step too: same weights, still a valid check
+        validation: dict = {}
+        if self.validator is not None and self.validator.due(step):  # before the checkpoint: it ranks by it
+            with timer.phase("validation"):
+                validation = self.validator.run(step).metrics()
         times = timer.summary()
         times["other_s"] += times.pop("parity_probe_s", 0.0)
+        times.pop("validation_s", None)  # the row has it as val_seconds
         row = {"step": step, "policy_version": self.version, **times}
         for k, v in metrics.items():
             if k == "gen_kl_error":
@@ -194,6 +211,7 @@ class LearnerJob:
             elif isinstance(v, (int, float)):
                 row[k] = v
         row.update(parity)
+        row.update(validation)
         refit = self.last_refit
         row["refit_bytes"] = refit.bytes if refit else 0
         if refit and refit.pause_seconds_max is not None:
@@ -209,7 +227,17 @@ class LearnerJob:
         self.pool.report_step.remote(report)
         self.skips.check(step)  # too many skipped steps in a row stop the job, once their rows are written
         if self.checkpoints.due(step, self.last_step):
-            self.save_checkpoint()
+            self.save_checkpoint(row)
+        return row
+
+    def validate_at_start(self) -> dict:
+        """``grpo.val_at_start``: validate the starting weights and write the step-0 row (``step`` 0, the
+        version and the ``val_*`` keys only) to every sink; returns the row."""
+        row = {"step": 0, "policy_version": self.version, **self.validator.run(0).metrics()} \
+            if self.validator is not None else {}
+        if row:
+            self.log.write(row)
+            self.pool.report_step.remote(row)
         return row
 
     def checked_parity(self) -> dict:
@@ -217,8 +245,10 @@ class LearnerJob:
         the weights once more and probe again, then stop with ``ParityError``."""
         return self.parity.checked(self.version, lambda: self.push_weights(reset=True))
 
-    def save_checkpoint(self) -> Path:
-        return self.checkpoints.save(self.learner, JobState(self.step, self.book.state(), self.parity.sequences))
+    def save_checkpoint(self, row: dict | None = None) -> Path:
+        """Save the learner and the job's state; ``row`` (the step's row) gives the value that ranks it."""
+        return self.checkpoints.save(self.learner, JobState(self.step, self.book.state(), self.parity.sequences),
+                                     row)
 
     def close(self) -> None:
         try:

@@ -49,6 +49,11 @@ class PromptLedger:
         """Scheduled prompts with no outcome yet -> their step."""
         return {p: s for p, s in self.scheduled.items() if p not in self.trained and p not in self.dropped}
 
+    def per_step(self, dropped_for: str | None = None) -> Counter:
+        """Prompts scheduled for each step (all of them, or only those dropped with reason ``dropped_for``)."""
+        return Counter(s for p, s in self.scheduled.items()
+                       if dropped_for is None or self.dropped.get(p) == dropped_for)
+
     def summary(self) -> dict:
         return {"scheduled": len(self.scheduled), "trained": len(self.trained), "dropped": len(self.dropped),
                 "pending": len(self.pending()), "dropped_by_reason": dict(Counter(self.dropped.values()))}

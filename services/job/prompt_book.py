@@ -6,22 +6,35 @@ invariant 2) and the :class:`ReplacementBackoff` (replacements of failed prompts
 prompts from the :class:`PromptSource`, hands them to the ``submit`` function it is given, reads the
 pool's messages, drops prompts with a reason and replaces them, and counts what it rejects. It
 knows nothing of Ray or of the pool: the job passes it bytes and records.
+
+Dynamic sampling (DAPO, ``grpo.use_dynamic_sampling``): a group that arrives with two or more valid samples
+all of the same reward (:func:`services.job.batch_stats.zero_advantage`) is dropped (reason
+``zero_advantage``) and its prompt replaced for the same step, at once, like a stale group, as long as fewer
+than ``dynamic_sampling_max_gen_batches x num_prompts_per_step`` prompts have been drawn for that step. Past
+that bound zero-advantage groups are kept: every drop is replaced one for one, so the step still gets exactly
+``num_prompts_per_step`` groups and trains on them; the zero-advantage ones it trains are counted
+(``dynamic_sampling_exhausted``). Replacements of other drops (failures, stale) count towards the bound but
+are never refused by it.
 """
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
 from services.job.backoff import ReplacementBackoff
+from services.job.batch_stats import zero_advantage
 from services.job.buffer import BufferedGroup, TrajectoryBuffer
 from services.job.ledger import PromptLedger
 from services.job.prompt_source import PromptSource
 from services.job.skips import DROP_REASON
 
 log = logging.getLogger("inflight.job")
+ZERO_ADVANTAGE = "zero_advantage"
+"""The drop reason of dynamic sampling."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +63,30 @@ class BookState:
     drops: dict[str, int]
 
 
+@dataclass(frozen=True)
+class SamplingStats:
+    """Dynamic sampling's numbers for one step (the step row's ``dynamic_sampling_*`` keys)."""
+
+    dropped: int
+    """Zero-advantage groups dropped and replaced for the step."""
+    attempts: float
+    """Prompts drawn for the step over ``num_prompts_per_step`` (1.0: no replacement)."""
+    exhausted: int
+    """Zero-advantage groups the step trains on because the bound was reached."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"dynamic_sampling_dropped": float(self.dropped), "dynamic_sampling_attempts": self.attempts,
+                "dynamic_sampling_exhausted": float(self.exhausted)}
+
+
 class PromptBook:
     def __init__(self, source: PromptSource, submit: Callable[[list[PromptRequest]], object], per_step: int,
-                 last_step: int, max_age: int, backoff: ReplacementBackoff | None = None):
+                 last_step: int, max_age: int, backoff: ReplacementBackoff | None = None,
+                 max_prompts_per_step: int | None = None):
         """``submit(requests)`` sends prompts to the pool; ``per_step`` groups make a step; no prompt is drawn
-        for a step after ``last_step``; groups older than ``max_age`` versions are dropped as stale."""
+        for a step after ``last_step``; groups older than ``max_age`` versions are dropped as stale. With
+        ``max_prompts_per_step`` (dynamic sampling on), zero-advantage groups are dropped and replaced while
+        fewer prompts than that have been drawn for their step."""
         self.source, self.submit = source, submit
         self.per_step, self.last_step = per_step, last_step
         self.ledger = PromptLedger()
@@ -66,6 +98,11 @@ class PromptBook:
         """Messages refused and prompts dropped since the last step's report, by reason."""
         self.last_sample_error = ""
         """Why a sample of the last group dropped for too few valid samples failed."""
+        self.max_prompts_per_step = max_prompts_per_step
+        self.drawn: Counter = Counter()
+        """Prompts drawn for each step not yet taken (dynamic sampling's bound)."""
+        self.zero_advantage_drops: Counter = Counter()
+        """Zero-advantage groups dropped for each step not yet taken."""
 
     # ------------------------------------------------------------ drawing and submitting
     def schedule(self, step: int, n: int | None = None, delay_s: float = 0.0) -> None:
@@ -74,6 +111,7 @@ class PromptBook:
         if step > self.last_step:
             return
         requests = self.source.next(n or self.per_step, step)
+        self.drawn[step] += len(requests)
         for r in requests:
             self.ledger.schedule(r.prompt_id, step)
             self.open_requests[r.prompt_id] = r
@@ -112,8 +150,15 @@ class PromptBook:
         if isinstance(msg, TrajectoryGroup):
             if msg.prompt_id not in self.ledger.scheduled:
                 self._reject("unexpected_group")
-            elif not self.ledger.is_open(msg.prompt_id) or not self.buffer.add(msg, data):
+            elif not self.ledger.is_open(msg.prompt_id) or self.buffer.holds(msg.prompt_id):
                 self._reject("duplicate")  # a re-queued prompt whose first group arrived too
+            elif self._resample(msg):
+                step = self.ledger.scheduled[msg.prompt_id]
+                self.buffer.drops[ZERO_ADVANTAGE] += 1
+                self.zero_advantage_drops[step] += 1
+                self.drop(msg.prompt_id, ZERO_ADVANTAGE, replace_for=step)
+            else:
+                self.buffer.add(msg, data)
         elif isinstance(msg, ControlMessage) and msg.action == "error":
             pid = str(msg.payload.get("prompt_id", ""))
             if self.ledger.is_open(pid) and not self.buffer.holds(pid):
@@ -154,6 +199,20 @@ class PromptBook:
     def take(self, step: int) -> list[BufferedGroup]:
         """The step's ``per_step`` screened groups."""
         return self.buffer.take(step, self.per_step)
+
+    def sampling_stats(self, step: int, groups: list[BufferedGroup]) -> SamplingStats | None:
+        """Dynamic sampling's numbers for ``step``, whose taken ``groups`` are given, and forget the step's
+        counts; None when dynamic sampling is off."""
+        drawn, dropped = self.drawn.pop(step, 0), self.zero_advantage_drops.pop(step, 0)
+        if self.max_prompts_per_step is None:
+            return None
+        return SamplingStats(dropped, drawn / self.per_step, sum(zero_advantage(b.group) for b in groups))
+
+    def _resample(self, group: TrajectoryGroup) -> bool:
+        """Whether dynamic sampling drops ``group`` (zero advantage, and its step's bound not reached)."""
+        limit = self.max_prompts_per_step
+        step = self.ledger.scheduled[group.prompt_id]
+        return limit is not None and self.drawn[step] < limit and zero_advantage(group)
 
     def settle(self, groups: list[BufferedGroup], trained: bool) -> None:
         """The groups of a train step: trained, or dropped as ``step_skipped`` (:mod:`services.job.skips`)."""
@@ -198,3 +257,7 @@ class PromptBook:
         requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in state.open_requests]
         self.open_requests = {r.prompt_id: r for r in requests}
         self.buffer.drops.update(state.drops)
+        open_steps = set(self.ledger.pending().values())
+        self.drawn = Counter({s: n for s, n in self.ledger.per_step().items() if s in open_steps})
+        self.zero_advantage_drops = Counter({s: n for s, n in self.ledger.per_step(ZERO_ADVANTAGE).items()
+                                             if s in open_steps})

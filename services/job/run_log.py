@@ -5,7 +5,9 @@ summary tables and a reward-curve PNG.
 the rows past its checkpoint (:meth:`RunLog.truncate_after`).
 
 Timing means are over warm steps (step 1 is dropped when there are more), as
-in the seed's write-up. TensorBoard is optional: if it cannot start or a write
+in the seed's write-up. A validation before the first step (``grpo.val_at_start``)
+is the row of step 0: its ``val_*`` keys only; the summaries count training rows
+(step >= 1) and the PNG draws it on the validation curve. TensorBoard is optional: if it cannot start or a write
 fails, one warning says why and the run goes on with the other sinks
 (``metrics.jsonl`` is the record).
 """
@@ -99,8 +101,13 @@ class RunLog:
                 self._tensorboard_failed("failed closing", exc)
 
     # ------------------------------------------------------------ summaries
+    def training_rows(self) -> list[dict]:
+        """The rows of training steps (not the step-0 validation row)."""
+        return [r for r in self.rows if r["step"] >= 1]
+
     def warm_rows(self) -> list[dict]:
-        return self.rows[1:] if len(self.rows) > 1 else self.rows
+        rows = self.training_rows()
+        return rows[1:] if len(rows) > 1 else rows
 
     def timing_table(self, label: str) -> str:
         rows = self.warm_rows()
@@ -109,7 +116,7 @@ class RunLog:
         return "\n".join([head, "|" + "---|" * (len(TIMING_COLUMNS) + 1), f"| {label} | {' | '.join(cells)} |"])
 
     def validation_table(self, label: str) -> str:
-        rows = self.rows
+        rows = self.training_rows()
         cols = [("Steps", str(len(rows))), ("Mean reward", f"{_mean(rows, 'reward_mean'):.4f}"),
                 ("Mean gen KL", f"{_mean(rows, 'gen_kl_error'):.2e}"),
                 ("Max gen KL", f"{_max(rows, 'gen_kl_error'):.2e}"),
@@ -127,9 +134,18 @@ class RunLog:
         import matplotlib.pyplot as plt
 
         path = Path(path or self.dir / "reward_curve.png")
-        steps = [r["step"] for r in self.rows]
+        train = self.training_rows()
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-        ax.plot(steps, [r.get("reward_mean", float("nan")) for r in self.rows], marker="o", ms=3)
+        ax.plot([r["step"] for r in train], [r.get("reward_mean", float("nan")) for r in train], marker="o", ms=3,
+                label="training reward")
+        val = [r for r in self.rows if isinstance(r.get("val_reward_mean"), (int, float))]
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_reward_mean"] for r in val], marker="s", ms=4,
+                    label="validation reward")
+            if any(isinstance(r.get("val_accuracy"), (int, float)) for r in val):
+                ax.plot([r["step"] for r in val], [r.get("val_accuracy", float("nan")) for r in val], marker="^",
+                        ms=4, ls="--", label="validation accuracy")
+            ax.legend(fontsize=7)
         ax.set_xlabel("step")
         ax.set_ylabel("mean reward")
         ax.set_title(f"Reward curve ({self.dir.name})")

@@ -81,6 +81,13 @@ class RolloutPool:
     async def submit(self, prompt_bytes: list[bytes], group_size: int) -> int:
         return self.dispatcher.submit(prompt_bytes, group_size)
 
+    async def evaluate(self, prompt_bytes: list[bytes], num_generations: int, temperature: float,
+                       timeout_s: float) -> dict:
+        """Validation: scored groups of ``num_generations`` answers at ``temperature`` (0: greedy), returned to
+        the caller and never put into a trajectory channel (:meth:`Dispatcher.evaluate`)."""
+        self._ensure_started()
+        return await self.dispatcher.evaluate(prompt_bytes, num_generations, temperature, timeout_s)
+
     async def push(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False,
                    timeout_s: float | None = None) -> RefitResult:
         """An object-store push: every engine that is up installs it (:class:`ObjectStoreFanout`)."""

@@ -56,6 +56,7 @@ class Dispatcher:
         self.requeued_prompts = 0
         self.undelivered: list[dict] = []  # prompts an engine could not deliver to the attached learner's channel
         self._next_engine = 0
+        self._next_eval_engine = 0  # validation's own round robin (evaluate)
 
     # ------------------------------------------------------------ the learner
     def attach(self, learner_id: str, channel: Any) -> None:
@@ -105,6 +106,41 @@ class Dispatcher:
                         self.name, self.fleet.version, len(prompt_bytes))
             self.waiting.append(Batch(prompt_bytes, group_size, self.channel))
         return len(prompt_bytes)
+
+    async def evaluate(self, prompt_bytes: list[bytes], group_size: int, temperature: float,
+                       timeout_s: float) -> dict:
+        """Validation prompts: spread over the serving engines (a round robin of its own: the training
+        dispatch order is unchanged) and answered to the caller, outside every learner's channel; returns
+        ``{"groups": [encoded TrajectoryGroup], "failed": [{"prompt_id", "reason"}]}``. An engine that
+        fails or does not answer within ``timeout_s`` fails its share (not re-queued). Draining, none are
+        accepted; paused (an operator holding the training stream), validation still runs."""
+        if self.draining:
+            raise RuntimeError(f"pool {self.name!r} is draining: not accepting validation prompts")
+        engines = self.fleet.serving()
+        if not engines:
+            await self.fleet.some_engine_up(timeout_s)
+            engines = self.fleet.serving()
+        if not engines:
+            raise RuntimeError(f"pool {self.name!r}: no engine serving version {self.fleet.version} for validation")
+        shares: dict[str, list[bytes]] = {e: [] for e in engines}
+        for pb in prompt_bytes:
+            shares[engines[self._next_eval_engine % len(engines)]].append(pb)
+            self._next_eval_engine += 1
+        parts = [(eid, part) for eid, part in shares.items() if part]
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(self.fleet.handles[eid].evaluate.remote(part, group_size, temperature), timeout_s)
+              for eid, part in parts), return_exceptions=True)
+        out: dict = {"groups": [], "failed": []}
+        for (eid, part), reply in zip(parts, replies, strict=True):
+            if isinstance(reply, BaseException):
+                why = f"evaluate on engine {eid} failed: {type(reply).__name__}: {remote_cause(reply)}"[:500]
+                log.warning("pool %s: %s", self.name, why)
+                out["failed"].extend({"prompt_id": cast(PromptRequest, decode(p, expect=PromptRequest)).prompt_id,
+                                      "reason": why} for p in part)
+            else:
+                out["groups"].extend(reply["groups"])
+                out["failed"].extend({**f, "engine_id": eid} for f in reply["failed"])
+        return out
 
     def resume(self) -> int:
         """Stop holding prompts and submit those held; returns how many batches were released."""

@@ -35,6 +35,35 @@ log = logging.getLogger("inflight.engine")
 
 
 @dataclass(frozen=True)
+class RewardEnvSpec:
+    """The named reward environment an engine scores with (``env.<data.env_name>``), as plain values."""
+
+    name: str
+    functions: tuple[tuple[str, float], ...]
+    """(reward function name, weight) for each of ``reward_functions``."""
+    num_workers: int
+    timeout_s: float
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> RewardEnvSpec | None:
+        """``env.<data.env_name>`` when ``data.env_name`` is set, else None (the single ``env.reward_fn``)."""
+        name = recipe.data.env_name
+        if name is None:
+            return None
+        named = recipe.env.named
+        if name not in named:
+            raise ValueError(f"data.env_name ({name!r}): no section env.{name} (have {sorted(named)})")
+        e = named[name]
+        return cls(name, tuple((f.name, f.weight) for f in e.reward_functions), e.num_workers, e.timeout_s)
+
+    def build(self):
+        """A :class:`rollout.reward_env.RewardEnv` with its own worker processes."""
+        from rollout.reward_env import reward_env_from_config
+
+        return reward_env_from_config(self.name, self.functions, self.num_workers, self.timeout_s)
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """What one engine actor is built from."""
 
@@ -51,13 +80,16 @@ class EngineSpec:
     """Install pushes while requests run (pause, install, resume) instead of between batches."""
     channel_timeout_s: float
     """Longest a send waits for room in the learner's channel."""
+    reward_env: RewardEnvSpec | None = None
+    """The named reward environment (several weighted functions in worker processes); None: ``reward_fn``."""
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles) -> EngineSpec:
         a = recipe.grpo.async_grpo
         return cls(engine_id, model_path, recipe.policy.generation, recipe.policy.max_total_sequence_length,
                    recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
-                   a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s)
+                   a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s,
+                   RewardEnvSpec.from_recipe(recipe))
 
 
 class EngineActor:
@@ -68,11 +100,14 @@ class EngineActor:
 
         self.engine_id = spec.engine_id
         model_path = ensure_local(spec.model_path)  # a ModelFiles: shipped here if this node lacks the directory
-        self._new_engine = functools.partial(
-            RolloutEngine, model_path, spec.generation, spec.max_model_len,
-            reward_fn=get_reward_fn(spec.reward_fn), engine_id=spec.engine_id,
+        new_engine = functools.partial(
+            RolloutEngine, model_path, spec.generation, spec.max_model_len, engine_id=spec.engine_id,
             recompute_kv_cache_after_weight_updates=spec.recompute_kv, in_flight_weight_updates=spec.in_flight,
             reward_timeout_s=spec.reward_timeout_s)
+        # each vLLM incarnation gets its own reward environment (its workers stop with that engine's shutdown)
+        env = spec.reward_env
+        self._new_engine = lambda: new_engine(
+            reward_fn=env.build() if env is not None else get_reward_fn(spec.reward_fn))
         self.engine = self._new_engine()
         self.channel_timeout_s = spec.channel_timeout_s
         self._tasks: set[asyncio.Task] = set()
@@ -166,6 +201,23 @@ class EngineActor:
             log.warning("engine %s: could not deliver a message to channel %s: %s", self.engine_id, channel.name,
                         exc)
             return f"channel send failed: {type(exc).__name__}: {exc}"[:300]
+
+    async def evaluate(self, prompt_bytes: list[bytes], group_size: int, temperature: float) -> dict:
+        """Validation: ``group_size`` answers per prompt at ``temperature`` (0: greedy), scored like training
+        groups and returned to the caller, never sent to a channel: ``{"groups": [encoded TrajectoryGroup],
+        "failed": [{"prompt_id", "reason"}]}`` (prompts whose group could not be made)."""
+        requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in prompt_bytes]
+        task = asyncio.get_running_loop().create_task(self.engine.evaluate(requests, group_size, temperature))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        out: dict = {"groups": [], "failed": []}
+        for req, res in zip(requests, await task, strict=True):
+            if isinstance(res, BaseException):
+                out["failed"].append({"prompt_id": req.prompt_id,
+                                      "reason": f"{type(res).__name__}: {res}"[:300]})
+            else:
+                out["groups"].append(encode(res))
+        return out
 
     async def install(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:
         """Install an object-store push (verified first; atomic); returns the version now served."""

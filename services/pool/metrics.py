@@ -8,9 +8,28 @@ loop.
 """
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 STEP_PHASES = ("step", "policy_training", "generation_exposed", "refit", "other")
+REWARD_FUNCTION_KEY = re.compile(r"^reward_(?P<function>.+)_mean$")
+"""A step row's per-reward-function mean (``services.job.batch_stats``)."""
+STEP_GAUGES = {
+    "response_length_mean": ("inflight_response_length_mean", "Mean response length (tokens) of the last trained step"),
+    "truncation_rate": ("inflight_truncation_rate", "Share of the last trained step's samples cut at the length limit"),
+    "token_entropy_mean": ("inflight_token_entropy_mean", "Mean per-token entropy of the policy on the last step"),
+    "zero_advantage_groups": ("inflight_zero_advantage_groups",
+                              "Groups of the last trained step whose samples all had the same reward"),
+    "dynamic_sampling_dropped": ("inflight_dynamic_sampling_dropped",
+                                 "Zero-advantage groups dropped and replaced for the last step (dynamic sampling)"),
+    "dynamic_sampling_attempts": ("inflight_dynamic_sampling_attempts",
+                                  "Prompts drawn for the last step over num_prompts_per_step (dynamic sampling)"),
+    "val_reward_mean": ("inflight_val_reward_mean", "Mean reward of the last validation"),
+    "val_accuracy": ("inflight_val_accuracy", "Accuracy of the last validation"),
+    "val_pass_at_k": ("inflight_val_pass_at_k", "pass@k (k = grpo.val_num_generations) of the last validation"),
+}
+"""Step-row keys shown as one gauge each: key -> (metric name, help)."""
 
 
 class PoolMetrics:
@@ -58,6 +77,13 @@ class PoolMetrics:
             "inflight_learner_skipped_steps", "Learner steps skipped (non-finite loss or gradient, or no valid "
             "tokens): nothing trained or pushed, their prompts dropped as step_skipped", registry=r)
         self.tokens_per_s = Gauge("inflight_learner_tokens_per_second", "Learner training throughput", registry=r)
+        self.reward_function_mean = Gauge("inflight_reward_function_mean",
+                                          "Mean of one reward function over the last trained step", ["function"],
+                                          registry=r)
+        self.step_gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in STEP_GAUGES.items()}
+        self.dynamic_sampling_exhausted = Counter(
+            "inflight_dynamic_sampling_exhausted_groups", "Zero-advantage groups trained because dynamic sampling "
+            "reached grpo.dynamic_sampling_max_gen_batches", registry=r)
 
     def record_step(self, report: dict) -> None:
         """Fold in one learner step report (see ``LearnerJob.report``)."""
@@ -76,6 +102,15 @@ class PoolMetrics:
                            ("gen_kl_error", self.gen_kl_error), ("tokens_per_s", self.tokens_per_s)):
             if report.get(key) is not None:
                 gauge.set(report[key])
+        for key, gauge in self.step_gauges.items():
+            if report.get(key) is not None:
+                gauge.set(report[key])
+        for key, value in report.items():
+            m = REWARD_FUNCTION_KEY.match(key)
+            if m and isinstance(value, (int, float)):
+                self.reward_function_mean.labels(function=m["function"]).set(value)
+        if report.get("dynamic_sampling_exhausted"):
+            self.dynamic_sampling_exhausted.inc(report["dynamic_sampling_exhausted"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -33,7 +33,8 @@ class SavingLearner(FakeLearner):
 
 
 def cfg(**kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"enabled": True, "checkpoint_dir": "ckpt", "save_period": 2, "keep_top_k": 2, **kw})
+    return SimpleNamespace(**{"enabled": True, "checkpoint_dir": "ckpt", "save_period": 2, "keep_top_k": 2,
+                              "metric_name": None, "higher_is_better": True, **kw})
 
 
 def state(step: int) -> JobState:

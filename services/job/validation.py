@@ -1,0 +1,149 @@
+"""Validation: the validation prompts answered by the pool at the current version, outside the training stream.
+
+The :class:`Validator` sends its prompts to the pool's ``evaluate`` call in batches of ``grpo.val_batch_size``
+and gets the scored groups back as the call's result: nothing goes through the job's trajectory channel,
+prompt book, ledger or buffer, so validation is never trained on and does not touch the versions or the
+scheduling of training groups (in async mode those keep generating meanwhile). Engines sample
+``grpo.val_num_generations`` answers per prompt at ``grpo.val_temperature`` (0: greedy) and score them with
+the training reward. :func:`validation_metrics` turns the rewards into the step row's ``val_*`` keys.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from protocol import PromptRequest, TrajectoryGroup, decode, encode
+
+if TYPE_CHECKING:
+    from services.config import Recipe
+
+log = logging.getLogger("inflight.validation")
+CORRECT = 1.0 - 1e-6
+"""An answer is correct when its reward is at least this (the math rewards give 1.0 for a right answer)."""
+VAL_PREFIX = "val:"
+"""Validation prompt ids start with this; a training ledger never holds one."""
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """One validation's numbers; :meth:`metrics` gives them as the step row's keys."""
+
+    reward_mean: float
+    """Mean reward over every scored answer (NaN if none was scored)."""
+    accuracy: float
+    """Share of prompts whose first answer is correct (reward >= ``CORRECT``), over the prompts whose first
+    answer was scored (a failed answer is counted in ``failed_samples``, never as wrong)."""
+    pass_at_k: float | None
+    """Share of prompts with at least one correct answer among their k, over the prompts with a scored answer;
+    None when k = 1."""
+    samples: int
+    """Answers asked for: prompts x k."""
+    failed_samples: int
+    """Answers that failed (generation or reward) or never came back."""
+    seconds: float
+    """Wall time of the validation."""
+    policy_version: int | None = None
+    """Oldest version among the validation's answer tokens (the version validated)."""
+
+    def metrics(self) -> dict[str, float | int]:
+        """``val_reward_mean``, ``val_accuracy``, ``val_pass_at_k`` (k > 1 only), ``val_samples``,
+        ``val_failed_samples``, ``val_seconds`` and ``val_policy_version`` (when known)."""
+        out: dict[str, float | int] = {"val_reward_mean": self.reward_mean, "val_accuracy": self.accuracy,
+                                       "val_samples": self.samples, "val_failed_samples": self.failed_samples,
+                                       "val_seconds": self.seconds}
+        if self.pass_at_k is not None:
+            out["val_pass_at_k"] = self.pass_at_k
+        if self.policy_version is not None:
+            out["val_policy_version"] = self.policy_version
+        return out
+
+
+def validation_metrics(rewards: list[list[float | None]], k: int, seconds: float = 0.0,
+                       policy_version: int | None = None) -> ValidationResult:
+    """The numbers of one validation from each prompt's k rewards (None: a failed answer; a prompt whose group
+    never came back is a list of k Nones)."""
+    if k < 1:
+        raise ValueError(f"grpo.val_num_generations: expected >= 1, got {k}")
+    scored = [r for group in rewards for r in group if r is not None]
+    firsts = [group[0] for group in rewards if group and group[0] is not None]
+    with_answer = [[r for r in group if r is not None] for group in rewards]
+    with_answer = [g for g in with_answer if g]
+    nan = float("nan")
+    return ValidationResult(
+        reward_mean=sum(scored) / len(scored) if scored else nan,
+        accuracy=sum(r >= CORRECT for r in firsts) / len(firsts) if firsts else nan,
+        pass_at_k=(sum(any(r >= CORRECT for r in g) for g in with_answer) / len(with_answer) if with_answer else nan)
+        if k > 1 else None,
+        samples=len(rewards) * k, failed_samples=len(rewards) * k - len(scored), seconds=seconds,
+        policy_version=policy_version)
+
+
+def validation_prompts(recipe: Recipe, model_path: str) -> list[PromptRequest]:
+    """The first ``grpo.max_val_samples`` validation prompts (the data wing's
+    :func:`services.job.prompt_source.validation_prompts`), every id prefixed ``val:``."""
+    from services.job import prompt_source
+
+    prompts = list(prompt_source.validation_prompts(recipe, model_path))[:recipe.grpo.max_val_samples]
+    if not prompts:
+        raise ValueError("validation (grpo.val_period / grpo.val_at_start): the validation set is empty")
+    return [p if p.prompt_id.startswith(VAL_PREFIX) else
+            PromptRequest(f"{VAL_PREFIX}{p.prompt_id}", p.prompt_ids, dict(p.task), scheduled_step=0) for p in prompts]
+
+
+class Validator:
+    """Runs validations of a job's prompts on its pool (``pool.evaluate``)."""
+
+    def __init__(self, recipe: Recipe, prompts: list[PromptRequest], pool: Any):
+        g, gen = recipe.grpo, recipe.policy.generation
+        self.pool, self.pool_name, self.prompts = pool, recipe.rollout_pool.name, prompts
+        self.batch_size, self.k, self.temperature = g.val_batch_size, g.val_num_generations, g.val_temperature
+        self.period, self.at_start = g.val_period, g.val_at_start
+        self.timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
+        """Longest one batch may take on the pool (every answer may need all its retries)."""
+
+    def due(self, step: int) -> bool:
+        """Whether a validation runs at the end of ``step`` (every ``grpo.val_period`` steps)."""
+        return self.period > 0 and step % self.period == 0
+
+    def run(self, step: int) -> ValidationResult:
+        """Validate the version the pool serves now; ``step`` labels the progress bar."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        by_id: dict[str, list[float | None]] = {}
+        versions: list[int] = []
+        with tqdm(total=len(self.prompts), desc=f"validation (step {step})", unit="prompt", leave=False,
+                  dynamic_ncols=True) as bar:
+            for start in range(0, len(self.prompts), self.batch_size):
+                batch = self.prompts[start:start + self.batch_size]
+                for group in self._evaluate(batch, step):
+                    by_id[group.prompt_id] = [t.reward if t.finish_reason != "error" else None
+                                              for t in group.trajectories]
+                    versions.extend(int(t.versions.min()) for t in group.trajectories
+                                    if t.finish_reason != "error" and len(t.versions))
+                bar.update(len(batch))
+        rewards = [by_id.get(p.prompt_id, [None] * self.k) for p in self.prompts]
+        result = validation_metrics(rewards, self.k, time.perf_counter() - t0, min(versions) if versions else None)
+        missing = sum(p.prompt_id not in by_id for p in self.prompts)
+        if missing:
+            log.warning("validation at step %d: %d/%d prompts came back without a group from pool %r", step,
+                        missing, len(self.prompts), self.pool_name)
+        if math.isnan(result.reward_mean):
+            log.warning("validation at step %d: no answer was scored (pool %r)", step, self.pool_name)
+        return result
+
+    def _evaluate(self, batch: list[PromptRequest], step: int) -> list[TrajectoryGroup]:
+        try:
+            reply = self.pool.evaluate.remote([encode(p) for p in batch], self.k, self.temperature,
+                                              self.timeout_s).result(timeout_s=self.timeout_s + 30)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the pool's name and the bound
+            raise RuntimeError(f"validation at step {step}: pool {self.pool_name!r} did not answer "
+                               f"{len(batch)} prompts within {self.timeout_s + 30:.0f} s: "
+                               f"{type(exc).__name__}: {exc}"[:800]) from exc
+        for failure in reply.get("failed", [])[:3]:
+            log.warning("validation at step %d: prompt %s failed on pool %r: %s", step, failure.get("prompt_id"),
+                        self.pool_name, failure.get("reason"))
+        return [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in reply["groups"]]

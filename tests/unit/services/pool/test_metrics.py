@@ -1,0 +1,31 @@
+"""The pool's Prometheus metrics (services/pool/metrics.py): a learner step report folded into the gauges."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.pool.metrics import PoolMetrics
+
+
+def samples(metrics: PoolMetrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_step_statistics_reach_their_gauges():
+    m = PoolMetrics()
+    m.record_step({"step": 3, "reward_mean": 0.5, "reward_format_mean": 0.75, "reward_math_verify_mean": 0.25,
+                   "response_length_mean": 12.5, "truncation_rate": 0.125, "token_entropy_mean": 1.5,
+                   "dynamic_sampling_dropped": 3.0, "dynamic_sampling_attempts": 1.75,
+                   "dynamic_sampling_exhausted": 2.0, "val_accuracy": 0.4})
+    m.record_step({"step": 4, "dynamic_sampling_exhausted": 1.0})
+    got = samples(m)
+    assert got[("inflight_reward_function_mean", (("function", "format"),))] == 0.75
+    assert got[("inflight_reward_function_mean", (("function", "math_verify"),))] == 0.25
+    assert not any(k[0] == "inflight_reward_function_mean" and k[1] == (("function", ""),) for k in got)
+    assert got[("inflight_response_length_mean", ())] == 12.5 and got[("inflight_truncation_rate", ())] == 0.125
+    assert got[("inflight_token_entropy_mean", ())] == 1.5 and got[("inflight_val_accuracy", ())] == 0.4
+    assert got[("inflight_dynamic_sampling_dropped", ())] == 3.0
+    assert got[("inflight_dynamic_sampling_attempts", ())] == 1.75
+    assert got[("inflight_dynamic_sampling_exhausted_groups_total", ())] == 3.0
+    assert got[("inflight_reward_mean", ())] == 0.5 and got[("inflight_learner_step", ())] == 4
