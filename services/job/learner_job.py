@@ -73,6 +73,7 @@ class LearnerJob:
         self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
         self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled)
         self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
+        self.saved_step = 0  # the step of the last checkpoint this job wrote
         self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool) \
             if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
@@ -95,17 +96,27 @@ class LearnerJob:
             for step in range(self.step + 1, self.step + 1 + prefetch):
                 self.schedule(step)
 
-    def steps(self) -> Iterator[int]:
-        """The steps left to run, with a progress bar."""
+    def steps(self, ahead: int) -> Iterator[int]:
+        """The steps left to run, with a progress bar; before yielding step k it schedules the prompts of step
+        k + ``ahead`` (0: sync, A: async). Ends at ``grpo.max_num_steps``, or earlier at the last step the data's
+        ``grpo.max_num_epochs`` can fill (:meth:`PromptBook.schedule`)."""
         from tqdm import tqdm
 
-        bar = tqdm(range(self.step + 1, self.last_step + 1), desc="GRPO", unit="step", initial=self.step,
-                   total=self.last_step, dynamic_ncols=True)
-        for step in bar:
+        bar = tqdm(total=self.last_step, desc="GRPO", unit="step", initial=self.step, dynamic_ncols=True)
+        step = self.step + 1
+        while True:
+            self.schedule(step + ahead)
+            if step > min(self.last_step, self.book.last_step):
+                break
             yield step
+            bar.update(1)
             row = self.log.rows[-1] if self.log.rows else {}
             bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.3f}",
                             age=f"{row.get('trajectory_age_mean', float('nan')):.2f}", v=self.version)
+            step += 1
+        bar.close()
+        if self.step < self.last_step and self.checkpoints.cfg.enabled and self.saved_step != self.step:
+            self.save_checkpoint(self.log.rows[-1] if self.log.rows else None)  # the data ended the run early
 
     def schedule(self, step: int) -> None:
         """Draw the prompts of ``step`` and submit them to the pool."""
@@ -219,6 +230,7 @@ class LearnerJob:
             row["refit_install_s"] = refit.install_seconds_max
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.book.buffer)
+        row.update(self.book.source.counts())  # data_epoch, data_dropped_too_long, data_skipped_invalid
         row.update({f"dropped_{k}": v for k, v in self.book.buffer.drops.items()})
         if metrics.get("step_skipped"):
             row["skip_reason"] = self.skips.last_reason
@@ -226,7 +238,7 @@ class LearnerJob:
         report = {**row, "trajectory_ages": metrics.get("trajectory_ages", []), "rejected": self.book.take_rejected()}
         self.pool.report_step.remote(report)
         self.skips.check(step)  # too many skipped steps in a row stop the job, once their rows are written
-        if self.checkpoints.due(step, self.last_step):
+        if self.checkpoints.due(step, min(self.last_step, self.book.last_step)):
             self.save_checkpoint(row)
         return row
 
@@ -247,6 +259,7 @@ class LearnerJob:
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Save the learner and the job's state; ``row`` (the step's row) gives the value that ranks it."""
+        self.saved_step = self.step
         return self.checkpoints.save(self.learner, JobState(self.step, self.book.state(), self.parity.sequences),
                                      row)
 

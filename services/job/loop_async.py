@@ -22,9 +22,8 @@ from services.job.run_log import StepTimer
 def run_async(job: LearnerJob) -> None:
     ahead = job.recipe.grpo.async_grpo.max_trajectory_age_steps
     job.start(prefetch=ahead)                       # weights v(step) on every engine; prompts of the next A steps
-    for step in job.steps():
+    for step in job.steps(ahead):                   # schedules step+A first: overlaps with everything below
         timer = StepTimer()
-        job.schedule(step + ahead)                  # overlaps with everything below
         with timer.phase("generation_exposed"):
             groups = job.collect(step)              # exactly num_prompts_per_step fresh-enough groups
         with timer.phase("policy_training"):

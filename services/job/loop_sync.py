@@ -2,6 +2,8 @@
 
     for k = 1..N:
         schedule prompts of step k and wait for all their groups   (v(k-1), on-policy)
+                                                                    (the run ends early when grpo.max_num_epochs
+                                                                     of data cannot fill step k)
         train step k                                                -> v(k)
         push v(k)
 
@@ -16,9 +18,8 @@ from services.job.run_log import StepTimer
 
 def run_sync(job: LearnerJob, colocated: bool) -> None:
     job.start(prefetch=0)
-    for step in job.steps():
+    for step in job.steps(ahead=0):                 # schedules the prompts of step k first
         timer = StepTimer()
-        job.schedule(step)
         with timer.phase("generation_exposed"):
             groups = job.collect(step)
         with timer.phase("policy_training"):

@@ -29,7 +29,7 @@ from services.job.backoff import ReplacementBackoff
 from services.job.batch_stats import zero_advantage
 from services.job.buffer import BufferedGroup, TrajectoryBuffer
 from services.job.ledger import PromptLedger
-from services.job.prompt_source import PromptSource
+from services.job.prompt_source import DataExhausted, PromptSource
 from services.job.skips import DROP_REASON
 
 log = logging.getLogger("inflight.job")
@@ -107,10 +107,18 @@ class PromptBook:
     # ------------------------------------------------------------ drawing and submitting
     def schedule(self, step: int, n: int | None = None, delay_s: float = 0.0) -> None:
         """Draw ``n`` (default ``per_step``) prompts for ``step`` and submit them, after ``delay_s``
-        (:mod:`services.job.backoff`); nothing for a step after ``last_step``."""
+        (:mod:`services.job.backoff`); nothing for a step after ``last_step``. When the data's last epoch
+        (``grpo.max_num_epochs``) cannot fill ``step``, ``last_step`` becomes ``step - 1``: the run ends there."""
         if step > self.last_step:
             return
-        requests = self.source.next(n or self.per_step, step)
+        try:
+            requests = self.source.next(n or self.per_step, step, past_end=n is not None)
+        except DataExhausted as exc:
+            if step == 1:
+                raise ValueError(f"data: not one step of {self.per_step} prompts in the training data ({exc})") from exc
+            log.info("%s: the run ends at step %d", exc, step - 1)
+            self.last_step = step - 1  # a new step needs new data; replacements (n given) draw past the end
+            return
         self.drawn[step] += len(requests)
         for r in requests:
             self.ledger.schedule(r.prompt_id, step)

@@ -141,17 +141,18 @@ class PromptSource:
             return np.asarray(order)
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
-    def next(self, n: int, step: int) -> list[PromptRequest]:
+    def next(self, n: int, step: int, past_end: bool = False) -> list[PromptRequest]:
         """``n`` prompts for ``step``, skipping (and counting) rows that are too long or (with ``skip_invalid``)
         invalid. Raises :class:`DataExhausted` (drawing nothing) when the last of ``max_epochs`` epochs ends before
-        ``n`` prompts are drawn, :class:`DataError` for an invalid row, ``ValueError`` when a whole epoch yields no
-        usable prompt."""
+        ``n`` prompts are drawn (with ``past_end``, for replacements of dropped prompts, it goes on into a further
+        epoch instead), :class:`DataError` for an invalid row, ``ValueError`` when a whole epoch yields no usable
+        prompt."""
         saved = self.position()
         out: list[PromptRequest] = []
         unusable = 0
         while len(out) < n:
             if self.index >= len(self._order):
-                if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+                if not past_end and self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
                     self.seek(saved)
                     raise DataExhausted(f"grpo.max_num_epochs ({self.max_epochs}) epochs of {len(self.set)} prompts "
                                         f"are done")

@@ -68,3 +68,25 @@ def test_each_format_trains_two_steps_on_its_rows(data_pool, learner, tmp_path: 
     assert source.counts()["data_dropped_too_long"] == 0 and len(source) == ROWS
     first = source.set.get(0)
     assert first.task["answer"] == str(START % 50 + (7 * START) % 50) and first.task["level"] == START % 3
+
+
+def test_the_last_epoch_ends_a_sync_run_early_with_a_checkpoint_of_its_last_step(data_pool, learner, tmp_path: Path):
+    """10 rows, 4 prompts a step, one epoch: two steps run (not max_num_steps=5) and step 2 is checkpointed although
+    it is not a multiple of save_period."""
+    from services import pool as pool_api
+    from services.job.learner_job import LearnerJob
+    from services.job.loop_sync import run_sync
+
+    group, model_path = learner
+    path = write_problems(tmp_path / "rows.jsonl", 10, start=START)
+    recipe = data_recipe("grpo.max_num_steps=5", "grpo.max_num_epochs=1", "data.dataset_name=null",
+                         f"data.train_data_path={path}", "checkpointing.save_period=4")
+    job = LearnerJob(recipe, model_path, pool_api.connect(data_pool.rollout_pool.name), group, tmp_path / "run",
+                     resume=False)
+    try:
+        run_sync(job, colocated=False)
+    finally:
+        job.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["data_epoch"] == 0
+    assert (tmp_path / "run" / "results" / "checkpoints" / "latest").read_text().strip() == "step_000002"

@@ -128,3 +128,35 @@ def test_outstanding_prompts_are_resubmitted_after_a_restore():
     assert [r.prompt_id for r in again.source.next(2, 3)] == [r.prompt_id for r in book.source.next(2, 3)]
     fresh, none = book_of()
     assert not fresh.resubmit_outstanding() and none == []
+
+
+def test_the_run_ends_at_the_last_step_the_data_epochs_can_fill_and_replacements_still_draw():
+    from job_fakes import prompts as make_prompts
+
+    from services.job.prompt_book import PromptBook
+    from services.job.prompt_source import PromptSource
+
+    submitted: list[str] = []
+    source = PromptSource(make_prompts(10), seed=0, max_epochs=1)       # 10 prompts, one epoch: two steps of 4
+    book = PromptBook(source, lambda reqs: submitted.extend(r.prompt_id for r in reqs), per_step=4, last_step=5,
+                      max_age=1)
+    book.schedule(1)
+    book.schedule(2)
+    assert book.last_step == 5 and len(submitted) == 8
+    book.schedule(3)                                                    # 2 rows left: not a step
+    assert book.last_step == 2 and len(submitted) == 8
+    book.schedule(2, n=3)                                               # a replacement goes on past the end
+    assert len(submitted) == 11 and submitted[-1].endswith("@1")
+
+
+def test_data_too_small_for_one_step_is_an_error():
+    import pytest
+    from job_fakes import prompts as make_prompts
+
+    from services.job.prompt_book import PromptBook
+    from services.job.prompt_source import PromptSource
+
+    book = PromptBook(PromptSource(make_prompts(3), seed=0, max_epochs=1), lambda reqs: None, per_step=4,
+                      last_step=5, max_age=1)
+    with pytest.raises(ValueError, match="not one step of 4 prompts"):
+        book.schedule(1)
