@@ -33,3 +33,14 @@ def test_same_seed_same_files_and_answers_check_out(tmp_path):
     for r in a:
         x, y = (int(v) for v in re.findall(r"\d+", r["input"]))  # a then b, except in commutative stories
         assert r["output"] == str(op[r["operation"]](x, y)) and int(r["output"]) >= 0, r
+
+
+def test_difficulty_zero_has_one_digit_answers_that_check_out(tmp_path):
+    gen = _load()
+    gen.main(["--out-dir", str(tmp_path), "--num-train", "300", "--num-val", "10", "--max-difficulty", "0"])
+    rows = _rows(tmp_path / "train.jsonl")
+    assert {r["operation"] for r in rows} == {"count", "add", "subtract"} and {r["difficulty"] for r in rows} == {0}
+    for r in rows:
+        numbers = [int(v) for v in re.findall(r"\d+", r["input"])]
+        want = {"count": lambda n: n[0], "add": lambda n: n[0] + n[1], "subtract": lambda n: n[0] - n[1]}
+        assert r["output"] == str(want[r["operation"]](numbers)) and 0 <= int(r["output"]) <= 9, r
