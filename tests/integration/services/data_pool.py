@@ -27,3 +27,45 @@ def write_problems(path: Path, n: int, start: int = 0) -> Path:
             a, b = i % 50, (7 * i) % 50
             f.write(json.dumps({"input": f"What is {a} plus {b}?", "output": str(a + b), "level": i % 3}) + "\n")
     return path
+
+
+class RecordingLearner:
+    """A learner group that keeps each batch it is asked to train on (decoded groups, one list per step)."""
+
+    def __init__(self, learner):
+        self.learner = learner
+        self.batches: list[list] = []
+
+    def call(self, method: str, *args):
+        if method == "train_step":
+            import ray
+
+            from protocol import TrajectoryGroup, decode
+
+            self.batches.append([decode(ray.get(ref), expect=TrajectoryGroup) for ref in args[0]])
+        return self.learner.call(method, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.learner, name)
+
+
+def run_recorded_async(recipe: Recipe, run_dir: Path):
+    """Run ``recipe`` as an async job on the data pool with a fresh learner; returns the closed job and the
+    recording of what it trained on."""
+    from services import pool as pool_api
+    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_job import LearnerJob
+    from services.job.loop_async import run_async
+    from services.model_source import resolve_model
+
+    model_path = resolve_model(recipe.policy.model_name)
+    learner = LearnerGroup(recipe, model_path)
+    recording = RecordingLearner(learner)
+    job = LearnerJob(recipe, model_path, pool_api.connect(POOL_NAME), recording,  # type: ignore[arg-type]
+                     run_dir, resume=False)
+    try:
+        run_async(job)
+    finally:
+        job.close()
+        learner.shutdown()
+    return job, recording

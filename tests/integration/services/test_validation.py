@@ -7,38 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from data_pool import data_recipe, write_problems
+from data_pool import data_recipe, run_recorded_async, write_problems
 
 VAL_KEYS = {"val_reward_mean", "val_accuracy", "val_samples", "val_failed_samples", "val_seconds", "val_policy_version"}
 
 
-class RecordingLearner:
-    """A learner group that keeps the prompt ids of each batch it is asked to train on."""
-
-    def __init__(self, learner):
-        self.learner = learner
-        self.trained: list[list[str]] = []
-
-    def call(self, method: str, *args):
-        if method == "train_step":
-            import ray
-
-            from protocol import TrajectoryGroup, decode
-
-            self.trained.append([decode(ray.get(ref), expect=TrajectoryGroup).prompt_id for ref in args[0]])
-        return self.learner.call(method, *args)
-
-    def __getattr__(self, name: str):
-        return getattr(self.learner, name)
-
-
 def test_validation_runs_at_start_and_every_period_outside_the_training_stream(data_pool, tmp_path: Path):
-    from services import pool as pool_api
     from services.job.checkpoints import METRIC_FILE
-    from services.job.learner_actor import LearnerGroup
-    from services.job.learner_job import LearnerJob
-    from services.job.loop_async import run_async
-    from services.model_source import resolve_model
 
     train = write_problems(tmp_path / "train.jsonl", 32)
     val = write_problems(tmp_path / "val.jsonl", 8, start=1000)
@@ -48,18 +23,9 @@ def test_validation_runs_at_start_and_every_period_outside_the_training_stream(d
                          "grpo.val_at_start=true", "grpo.val_period=2", "grpo.max_val_samples=3",
                          "grpo.val_batch_size=2",  # greedy, one answer a prompt (the defaults): no pass@k
                          "checkpointing.metric_name=val_accuracy", "checkpointing.keep_top_k=1")
-    model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(recipe, model_path)
-    recording = RecordingLearner(learner)
-    job = LearnerJob(recipe, model_path, pool_api.connect(data_pool.rollout_pool.name), recording,  # type: ignore[arg-type]
-                     tmp_path / "run", resume=False)
-    try:
-        run_async(job)
-        ledger = job.book.ledger
-        ckpt_root = job.checkpoints.root
-    finally:
-        job.close()
-        learner.shutdown()
+    job, recording = run_recorded_async(recipe, tmp_path / "run")
+    ledger, ckpt_root = job.book.ledger, job.checkpoints.root
+    trained = [[g.prompt_id for g in b] for b in recording.batches]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [VAL_KEYS <= set(r) for r in rows] == [True, False, True]     # at start and at step 2 only
@@ -68,9 +34,9 @@ def test_validation_runs_at_start_and_every_period_outside_the_training_stream(d
         assert r["val_policy_version"] == r["policy_version"]            # validated at the job's version
         assert 0.0 <= r["val_accuracy"] <= 1.0 and 0.0 <= r["val_reward_mean"] <= 1.0
     assert rows[0]["policy_version"] == 0 and rows[2]["policy_version"] == 2
-    every_id = [*ledger.scheduled, *ledger.trained, *ledger.dropped, *(p for b in recording.trained for p in b)]
+    every_id = [*ledger.scheduled, *ledger.trained, *ledger.dropped, *(p for b in trained for p in b)]
     assert every_id and not [p for p in every_id if p.startswith("val:")]  # never trained on, never in the ledger
-    assert len(recording.trained) == 2 and all(len(b) == recipe.grpo.num_prompts_per_step for b in recording.trained)
+    assert len(trained) == 2 and all(len(b) == recipe.grpo.num_prompts_per_step for b in trained)
     assert "stale" not in ledger.dropped.values()                         # validation aged no training group
     assert [r["trajectory_age_max"] <= 1 for r in rows[1:]] == [True, True]
     kept = sorted(p.name for p in ckpt_root.glob("step_*"))               # the best by val_accuracy + the newest
