@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
-from services.config_data import DataConfig, RewardEnvConfig
+from services.config_data import DataConfig, EnvConfig
 from services.gpu_layout import check_gpu_layout
 from services.recipe_rules import check_recipe
 
@@ -133,34 +133,6 @@ class PolicyConfig(ConfigModel):
     """Learner parallelism and optimizer."""
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     """Packing into micro-batches."""
-
-
-class EnvConfig(ConfigModel):
-    """``env``: how answers are scored. ``reward_fn`` is one function; a named section ``env.<name>``
-    (:class:`RewardEnvConfig`) gives several weighted functions run in worker processes."""
-
-    model_config = ConfigDict(extra="allow")
-    __pydantic_extra__: dict[str, RewardEnvConfig] = Field(init=False)  # pyright: ignore[reportIncompatibleVariableOverride]
-
-    reward_fn: str = Field(default="repeat_letter", min_length=1, max_length=512)
-    """Reward function: ``repeat_letter``, ``math_exact``, ``format``, or your own as
-    ``package.module:function`` / ``/path/to/file.py:function`` (importable where the engines run)."""
-    reward_timeout_s: float = Field(default=30.0, gt=0.0)
-    """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
-
-    @property
-    def named(self) -> dict[str, RewardEnvConfig]:
-        """The named sections ``env.<name>``."""
-        return dict(self.__pydantic_extra__ or {})
-
-    @model_validator(mode="after")
-    def _reward_name(self):
-        from rollout.rewards import REWARD_FNS
-
-        if self.reward_fn not in REWARD_FNS and ":" not in self.reward_fn:
-            raise ValueError(f"reward_fn: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
-                             f"'file.py:function', got {self.reward_fn!r}")
-        return self
 
 
 class ClusterConfig(ConfigModel):

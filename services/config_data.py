@@ -1,11 +1,11 @@
-"""Typed configuration of the data a run trains and validates on (``data``) and of named reward
-environments (``env.<name>``). Names follow NeMo-RL where the concept is the same; docs/configuration.md
-lists each key with its NeMo-RL counterpart."""
+"""Typed configuration of the data a run trains and validates on (``data``) and of how answers are scored
+(``env``, with its named reward environments ``env.<name>``). Names follow NeMo-RL where the concept is the
+same; docs/configuration.md lists each key with its NeMo-RL counterpart."""
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from protocol.config_base import ConfigModel
 
@@ -89,4 +89,32 @@ class RewardEnvConfig(ConfigModel):
         names = [f.name for f in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"reward_functions: each function at most once, got {names}")
+        return self
+
+
+class EnvConfig(ConfigModel):
+    """``env``: how answers are scored. ``reward_fn`` is one function; a named section ``env.<name>``
+    (:class:`RewardEnvConfig`) gives several weighted functions run in worker processes."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, RewardEnvConfig] = Field(init=False)  # pyright: ignore[reportIncompatibleVariableOverride]
+
+    reward_fn: str = Field(default="repeat_letter", min_length=1, max_length=512)
+    """Reward function: ``repeat_letter``, ``math_exact``, ``format``, or your own as
+    ``package.module:function`` / ``/path/to/file.py:function`` (importable where the engines run)."""
+    reward_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Deadline for scoring one group; a hung reward function fails its samples, never scores them 0."""
+
+    @property
+    def named(self) -> dict[str, RewardEnvConfig]:
+        """The named sections ``env.<name>``."""
+        return dict(self.__pydantic_extra__ or {})
+
+    @model_validator(mode="after")
+    def _reward_name(self):
+        from rollout.rewards import REWARD_FNS
+
+        if self.reward_fn not in REWARD_FNS and ":" not in self.reward_fn:
+            raise ValueError(f"reward_fn: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
+                             f"'file.py:function', got {self.reward_fn!r}")
         return self
