@@ -7,8 +7,8 @@ the rows past its checkpoint (:meth:`RunLog.truncate_after`).
 Timing means are over warm steps (step 1 is dropped when there are more), as
 in the seed's write-up. A validation before the first step (``grpo.val_at_start``)
 is the row of step 0: its ``val_*`` keys only; the summaries count training rows
-(step >= 1) and the PNG draws it on the validation curve. TensorBoard is optional: if it cannot start or a write
-fails, one warning says why and the run goes on with the other sinks
+(step >= 1) and the PNG draws it on the validation curve. TensorBoard, W&B and MLflow (:mod:`services.job.sinks`) are
+optional: if one cannot start or a write fails, one warning says why and the run goes on with the other sinks
 (``metrics.jsonl`` is the record).
 """
 from __future__ import annotations
@@ -19,6 +19,12 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.job.sinks import Sink, sink_factories
+
+if TYPE_CHECKING:
+    from services.config_logging import LoggerConfig
 
 log = logging.getLogger("inflight.run_log")
 
@@ -52,20 +58,22 @@ class StepTimer:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, loggers: LoggerConfig | None = None,
+                 params: dict[str, Any] | None = None):
+        """``loggers`` (the recipe's ``logger``) enables W&B and MLflow; ``params`` (the recipe) is their run
+        config."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.rows: list[dict] = []
         if self.path.exists():  # a resumed run appends
             self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        self._tb = None
-        if tensorboard:
+        self._sinks: list[Sink] = []
+        for name, make in sink_factories(self.dir, tensorboard, loggers, params or {}):
             try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-            except Exception as exc:  # noqa: BLE001 - TensorBoard is optional; metrics.jsonl is the record
-                self._tensorboard_failed("could not start", exc)
+                self._sinks.append(make())
+            except Exception as exc:  # noqa: BLE001 - every sink is optional; metrics.jsonl is the record
+                self._sink_failed(name, "could not start", exc)
 
     def truncate_after(self, step: int) -> None:
         """Forget the rows after ``step`` (a resume from that step's checkpoint): the record stays consistent
@@ -76,29 +84,32 @@ class RunLog:
         self.rows = [r for r in self.rows if r["step"] <= step]
 
     def write(self, row: dict) -> None:
+        """Append ``row`` to metrics.jsonl and give its finite numbers, at ``row["step"]``, to every sink."""
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
-        if self._tb is not None:
+        scalars = {k: float(v) for k, v in row.items()
+                   if isinstance(v, (int, float)) and math.isfinite(v) and k != "step"}
+        for sink in list(self._sinks):
             try:
-                for k, v in row.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v) and k != "step":
-                        self._tb.add_scalar(k, v, row["step"])
-                self._tb.flush()
+                sink.write(row["step"], scalars)
             except Exception as exc:  # noqa: BLE001 - reported once; metrics.jsonl has the row
-                self._tensorboard_failed(f"failed writing step {row['step']}", exc)
+                self._sink_failed(sink.name, f"failed writing step {row['step']}", exc, sink)
 
-    def _tensorboard_failed(self, what: str, exc: Exception) -> None:
-        log.warning("run log %s: TensorBoard %s (%s: %s); it is off for the rest of the run, metrics.jsonl "
-                    "goes on", self.dir, what, type(exc).__name__, exc)
-        self._tb = None
+    def _sink_failed(self, name: str, what: str, exc: Exception, sink: Sink | None = None) -> None:
+        log.warning("run log %s: %s %s (%s: %s); it is off for the rest of the run, metrics.jsonl "
+                    "goes on", self.dir, name, what, type(exc).__name__, exc)
+        if sink in self._sinks:
+            self._sinks.remove(sink)
 
     def close(self) -> None:
-        if self._tb is not None:
+        """Close every sink (the W&B and MLflow runs end here)."""
+        for sink in list(self._sinks):
             try:
-                self._tb.close()
+                sink.close()
             except Exception as exc:  # noqa: BLE001 - the run is over; metrics.jsonl is complete
-                self._tensorboard_failed("failed closing", exc)
+                self._sink_failed(sink.name, "failed closing", exc, sink)
+        self._sinks = []
 
     # ------------------------------------------------------------ summaries
     def training_rows(self) -> list[dict]:
