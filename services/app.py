@@ -40,11 +40,13 @@ def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
 
 def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
     """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file."""
+    from services.export import save_run_recipe
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
 
     model_path = resolve_model(recipe.policy.model_name)
+    save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from
     handle = pool_api.connect(pool_name)
     learner = LearnerGroup(recipe, model_path,
                            colocation=handle.colocation_group.remote().result(timeout_s=60))

@@ -6,6 +6,7 @@
     inflight pool shutdown [--name N] [--stop-cluster]
     inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]
     inflight validate --recipe PATH [key=value ...]
+    inflight export --run-dir DIR [--step N] --out HF_DIR [--recipe PATH] [key=value ...]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|llama|qwen3_moe] [--size tiny|small|0.6b]
 
 User errors (bad recipe, bad arguments, a cluster that refuses the connection) print one line and exit 2; a
@@ -95,6 +96,16 @@ def _cmd_learner_attach(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from services.export import ExportError, export
+
+    try:
+        export(args.run_dir, args.out, args.step, args.recipe, list(args.overrides))
+    except ExportError as err:
+        raise UserError(str(err)) from None
+    return 0
+
+
 def _require_cluster(cluster) -> str:
     addr = cluster.known_address()
     if not addr:
@@ -143,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--pool", required=True, help="name of the pool to attach to")
 
     recipe_command(sub, "validate", "load a recipe, apply overrides, print the result", _cmd_validate, run_dir=False)
+
+    e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
+    e.add_argument("--run-dir", required=True, help="the run directory (holds recipe.yaml and the checkpoints)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step_N (default: the latest)")
+    e.add_argument("--out", required=True, help="where the Hugging Face directory goes")
+    e.add_argument("--recipe", default=None, help="the recipe the run used (default: RUN_DIR/recipe.yaml)")
+    e.add_argument("overrides", nargs="*", help="dotted overrides applied to that recipe (with --recipe: the run's)")
+    e.set_defaults(func=_cmd_export)
 
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
     t.add_argument("dir")

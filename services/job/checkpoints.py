@@ -6,7 +6,8 @@ groups, open requests, drop counts) and the parity set (invariant 7). They go to
 ``checkpointing.checkpoint_dir`` (relative to the run directory unless absolute) as ``step_<k>``;
 ``latest`` names the newest. Which are kept: :func:`kept` (the best ``keep_top_k`` by
 ``checkpointing.metric_name``, plus the newest; or the newest ``keep_top_k``). Each checkpoint's metric
-value is stored next to it (``step_<k>/job_metric.json``), so the ranking survives a restart.
+value is stored next to it (``step_<k>/job_metric.json``), so the ranking survives a restart. With
+``checkpointing.save_hf`` each also holds the policy in Hugging Face format (``step_<k>/hf``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 METRIC_FILE = "job_metric.json"
 """In a checkpoint directory: ``{"step", "metric_name", "value"}`` (value None when the step's row had none)."""
+HF_DIR = "hf"
+"""In a checkpoint directory, with ``checkpointing.save_hf``: the policy as a Hugging Face directory."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class Checkpoints:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"step_{state.step:06d}"
         learner.call("save_checkpoint", str(path), state.extra())
+        if self.cfg.save_hf:
+            learner.call("save_hf", str(path / HF_DIR))
         name = self.cfg.metric_name
         value = (row or {}).get(name) if name else None
         value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -26,6 +26,9 @@ class SavingLearner(FakeLearner):
             self.saved[path] = extra
             Path(path).mkdir()
             return None
+        if method == "save_hf":
+            self.calls.append((method, args[0]))
+            return None
         if method == "load_checkpoint":
             self.calls.append(method)
             return self.saved[args[0]]
@@ -34,7 +37,7 @@ class SavingLearner(FakeLearner):
 
 def cfg(**kw) -> SimpleNamespace:
     return SimpleNamespace(**{"enabled": True, "checkpoint_dir": "ckpt", "save_period": 2, "keep_top_k": 2,
-                              "metric_name": None, "higher_is_better": True, **kw})
+                              "metric_name": None, "higher_is_better": True, "save_hf": False, **kw})
 
 
 def state(step: int) -> JobState:
@@ -58,6 +61,14 @@ def test_the_latest_is_loaded_and_only_keep_top_k_are_kept(tmp_path):
     path, loaded = ck.load_latest(learner)
     assert path == tmp_path / "ckpt" / "step_000006" and loaded == state(6)
     assert json.dumps(state(6).extra(), sort_keys=True) == json.dumps(learner.saved[str(path)], sort_keys=True)
+
+
+def test_save_hf_writes_a_hugging_face_directory_in_each_checkpoint(tmp_path):
+    learner = SavingLearner()
+    path = Checkpoints(cfg(save_hf=True), tmp_path).save(learner, state(2))
+    assert learner.calls == [("save_hf", str(path / "hf"))]
+    Checkpoints(cfg(), tmp_path).save(learner, state(4))
+    assert len(learner.calls) == 1  # off by default
 
 
 def test_a_job_resumes_its_book_parity_set_and_run_log_from_its_checkpoint(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from services.job.checkpoints import METRIC_FILE, Checkpoints, Ranked, kept
 
 def cfg(**kw) -> SimpleNamespace:
     return SimpleNamespace(**{"enabled": True, "checkpoint_dir": "ckpt", "save_period": 1, "keep_top_k": 2,
-                              "metric_name": "val_reward_mean", "higher_is_better": True, **kw})
+                              "metric_name": "val_reward_mean", "higher_is_better": True, "save_hf": False, **kw})
 
 
 def steps_on_disk(ck: Checkpoints) -> list[int]:

@@ -1,0 +1,92 @@
+"""``inflight export`` and ``checkpointing.save_hf``: a trained learner's checkpoint, exported from its run
+directory, loads in transformers and in vLLM with the learner's log-probs (fp32, CPU, 1e-4)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from learner_batches import groups, hf_response_logprobs, load_hf, make_learner, sequences
+
+ATOL = 1e-4
+
+
+class InProcess:
+    """A :class:`~services.job.learner_actor.LearnerGroup` stand-in that calls one in-process learner."""
+
+    def __init__(self, learner):
+        self.learner = learner
+
+    def call(self, method: str, *args):
+        return getattr(self.learner, method)(*args)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_model_dir, tmp_path_factory):
+    """A run directory (recipe.yaml + step_000001 saved with save_hf) of one large-lr step on the tiny Qwen2, and
+    the learner's log-probs of fixed sequences after it."""
+    from services.config import load_recipe
+    from services.export import save_run_recipe
+    from services.job.checkpoints import Checkpoints, JobState
+    from services.job.prompt_book import BookState
+
+    run_dir = tmp_path_factory.mktemp("export-run")
+    recipe = load_recipe(None, [f"policy.model_name={tiny_model_dir}", "checkpointing.save_hf=true"])
+    save_run_recipe(recipe, tiny_model_dir, run_dir)
+    learner = make_learner(tiny_model_dir, lr=0.05)
+    initial = learner.logprobs(*sequences(4, seed=5))
+    learner.train_step(groups(learner))
+    prompts, responses = sequences(4, seed=5)
+    trained = learner.logprobs(prompts, responses)
+    assert max(np.abs(a - b).max() for a, b in zip(initial, trained, strict=True)) > 1e-2  # the step moved the weights
+    state = JobState(1, BookState({}, {}, [], [], {}), [])
+    ckpt = Checkpoints(recipe.checkpointing, run_dir).save(InProcess(learner), state)  # type: ignore[arg-type]
+    learner.shutdown()
+    return run_dir, ckpt, prompts, responses, np.concatenate(trained)
+
+
+def test_exported_model_loads_in_transformers_and_vllm_with_the_learners_logprobs(trained_run, tmp_path):
+    from rollout.config import GenerationConfig, VllmConfig
+    from rollout.engine import RolloutEngine
+    from rollout.rewards import get_reward_fn
+    from services.export import export
+
+    run_dir, ckpt, prompts, responses, expected = trained_run
+    lines: list[str] = []
+    out = export(run_dir, tmp_path / "hf", progress=lines.append)  # default: the latest checkpoint
+    assert "step 1" in lines[0] and lines[-1].startswith("wrote")
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {f.name for f in out.iterdir()}
+    exported, at_save = load_file(out / "model.safetensors"), load_file(ckpt / "hf" / "model.safetensors")
+    assert exported.keys() == at_save.keys() and all((exported[k] == at_save[k]).all() for k in exported)
+
+    hf = hf_response_logprobs(load_hf(str(out)), prompts, responses)
+    np.testing.assert_allclose(np.concatenate(hf), expected, atol=ATOL, rtol=0)
+
+    generation = GenerationConfig(max_new_tokens=4, request_timeout_s=120.0, max_retries=1,
+                                  vllm_cfg=VllmConfig(enforce_eager=True, precision="float32", seed=0,
+                                                      gpu_memory_utilization=0.5))
+    engine = RolloutEngine(str(out), generation, 128, get_reward_fn("repeat_letter"), engine_id="export")
+
+    async def score():
+        await asyncio.wait_for(engine.start(), engine.start_timeout_s + 10)
+        try:
+            return await engine.logprobs_of([p.tolist() for p in prompts], [r.tolist() for r in responses])
+        finally:
+            await engine.shutdown()
+    np.testing.assert_allclose(np.concatenate(asyncio.run(score())), expected, atol=ATOL, rtol=0)
+
+
+def test_cli_export_names_the_available_steps(trained_run, tmp_path, capsys):
+    from services.cli import main
+
+    run_dir = trained_run[0]
+    assert main(["export", "--run-dir", str(run_dir), "--step", "7", "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of step 7" in err and "available steps: 1" in err, err
+    assert main(["export", "--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "--run-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "hf")]) == 2
+    assert "recipe.yaml" in capsys.readouterr().err
