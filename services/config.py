@@ -19,7 +19,9 @@ from pydantic import Field, ValidationError, model_validator
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
+from services.config_checkpoints import CheckpointingConfig
 from services.config_data import DataConfig, EnvConfig
+from services.config_logging import LoggerConfig
 from services.gpu_layout import check_gpu_layout
 from services.recipe_rules import check_recipe
 
@@ -172,46 +174,6 @@ class RolloutPoolConfig(ConfigModel):
     < ``policy.generation.request_timeout_s``."""
     learner_gpus: int | None = Field(default=None, ge=0)
     """GPUs of the learner job when not colocated; default: the rest of the cluster."""
-
-
-class CheckpointingConfig(ConfigModel):
-    """``checkpointing``: learner state on disk (NeMo-RL names)."""
-
-    enabled: bool = True
-    """Save checkpoints."""
-    checkpoint_dir: str = "results/checkpoints"
-    """Where checkpoints go (relative paths are under the run directory)."""
-    save_period: int = Field(default=10, ge=1)
-    """Save every N steps (and at the end)."""
-    keep_top_k: int = Field(default=2, ge=1)
-    """Checkpoints kept: the best ``keep_top_k`` by ``metric_name`` (NeMo-RL semantics), or the most recent ones
-    when ``metric_name`` is not set. The newest is always kept as well, so a run can resume."""
-    metric_name: str | None = None
-    """Metric of the step row that ranks checkpoints, e.g. ``val_reward_mean`` or ``val_accuracy``."""
-    higher_is_better: bool = True
-    """Whether a larger ``metric_name`` is better."""
-
-
-class LoggerConfig(ConfigModel):
-    """``logger``: where metrics go."""
-
-    tensorboard_enabled: bool = True
-    """Write TensorBoard events under RUN_DIR/tensorboard."""
-    log_dir: str = "runs/latest"
-    """Run directory (metrics.jsonl, plots, checkpoints)."""
-    parity_probe_sequences: int = Field(default=4, ge=0)
-    """Fixed sequences (prompt tokens + a fixed continuation) scored by the learner and by every engine installed
-    since it was last probed, after the first push and after each refit (gen KL parity probe); 0 disables it."""
-    parity_max_gen_kl: float = Field(default=0.01, gt=0.0)
-    """Largest gen KL the probe accepts after a refit. Above it the engine is not serving the learner's
-    weights (e.g. a load path that scrambles fused tensors): the job pushes once more and, if the probe
-    still fails, stops with ``ParityError``. Measured: ~1e-11 float32 on CPU; on H200 in bf16 ~5e-5 (dense
-    0.6B) and 2.6e-6 (small MoE, FlashInfer CUTLASS)."""
-    parity_max_gen_kl_ratio: float = Field(default=20.0, ge=0.0)
-    """Also fail the probe when gen KL exceeds this multiple of the median of the last 5 accepted refits
-    (baseline at least 1e-6): a wrong install can stay under ``parity_max_gen_kl`` on a model with
-    near-uniform outputs (measured on H200, random MoE, wrong vs right path: 3.0e-4 vs 2.6e-6 = 115x, and in another
-    run 3.3e-4 vs 9.5e-6 = 34x); 0 disables."""
 
 
 class Recipe(ConfigModel):

@@ -34,6 +34,7 @@ NEMO_RL_NAMES: dict[str, str | None] = {
     "env.reward_fn": None,
     "env.reward_timeout_s": None,
     "env.<name>.timeout_s": None,
+    "checkpointing.save_hf": "checkpointing.save_consolidated",
     "cluster.engine_resources": None,
     "cluster.learner_resources": None,
     "logger.parity_probe_sequences": None,

@@ -71,7 +71,7 @@ class LearnerJob:
         self.pushed_version = -1  # the version last pushed to the engines
         self.skips = SkippedSteps(g.max_consecutive_skipped_steps)
         self.channel = TrajectoryChannel.create(f"{self.id}-trajectories", recipe.rollout_pool.max_inflight_groups)
-        self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled)
+        self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled, recipe.logger, recipe.model_dump(mode="json"))
         self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
         self.saved_step = 0  # the step of the last checkpoint this job wrote
         self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool) \
