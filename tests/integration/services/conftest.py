@@ -33,6 +33,12 @@ def ray_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests on the session-wide ``data_pool`` run last (stable order otherwise): Serve's HTTP proxy gives the route
+    prefix "/" to one application per cluster, so another pool can only deploy while the data pool is not up."""
+    items.sort(key=lambda item: "data_pool" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def data_pool(ray_cluster, tmp_path_factory):
     """A deployed pool scoring with ``env.math`` (tests/integration/services/data_pool.py); yields its recipe."""
