@@ -84,6 +84,11 @@ class GenerationConfig(ConfigModel):
     vllm_cfg: VllmConfig = Field(default_factory=lambda: VllmConfig())
     """Engine options."""
 
+    @property
+    def group_deadline_s(self) -> float:
+        """Longest the pool may take to answer a group: every sample may need all its attempts, plus a minute."""
+        return self.request_timeout_s * (self.max_retries + 1) + 60.0
+
     @model_validator(mode="after")
     def _sampling(self):
         if self.temperature == 0.0:

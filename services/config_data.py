@@ -50,6 +50,15 @@ class DataConfig(ConfigModel):
     else ``env.reward_fn``."""
 
 
+def check_reward_name(key: str, name: str) -> None:
+    """A reward function name is a registered one or ``module:function`` / ``file.py:function``."""
+    from rollout.rewards import REWARD_FNS
+
+    if name not in REWARD_FNS and ":" not in name:
+        raise ValueError(f"{key}: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
+                         f"'file.py:function', got {name!r}")
+
+
 class RewardFunctionSpec(ConfigModel):
     """One entry of ``env.<name>.reward_functions``."""
 
@@ -61,11 +70,7 @@ class RewardFunctionSpec(ConfigModel):
 
     @model_validator(mode="after")
     def _known_name(self):
-        from rollout.rewards import REWARD_FNS
-
-        if self.name not in REWARD_FNS and ":" not in self.name:
-            raise ValueError(f"name: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
-                             f"'file.py:function', got {self.name!r}")
+        check_reward_name("name", self.name)
         return self
 
 
@@ -112,9 +117,5 @@ class EnvConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _reward_name(self):
-        from rollout.rewards import REWARD_FNS
-
-        if self.reward_fn not in REWARD_FNS and ":" not in self.reward_fn:
-            raise ValueError(f"reward_fn: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
-                             f"'file.py:function', got {self.reward_fn!r}")
+        check_reward_name("reward_fn", self.reward_fn)
         return self

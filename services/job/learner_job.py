@@ -26,10 +26,10 @@ from services.job.buffer import BufferedGroup
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.parity import ParityProbe, fixed_sequences
 from services.job.prompt_book import PromptBook, Undelivered
-from services.job.prompt_source import PromptSource
+from services.job.prompt_source import PromptSource, validation_prompts
 from services.job.run_log import RunLog, StepTimer
 from services.job.skips import SkippedSteps
-from services.job.validation import Validator, validation_prompts
+from services.job.validation import Validator
 from services.refit import RefitResult, make_refit
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class LearnerJob:
         self.id = f"learner-{uuid.uuid4().hex[:8]}"
         g, gen = recipe.grpo, recipe.policy.generation
         self.last_step, self.group_size = g.max_num_steps, g.num_generations_per_prompt
-        self.collect_timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
+        self.collect_timeout_s = gen.group_deadline_s
         self.book = PromptBook(PromptSource.of_task(recipe, model_path), self._submit, g.num_prompts_per_step,
                                g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
                                max_prompts_per_step=g.dynamic_sampling_max_gen_batches * g.num_prompts_per_step

@@ -81,18 +81,6 @@ def validation_metrics(rewards: list[list[float | None]], k: int, seconds: float
         policy_version=policy_version)
 
 
-def validation_prompts(recipe: Recipe, model_path: str) -> list[PromptRequest]:
-    """The first ``grpo.max_val_samples`` validation prompts (the data wing's
-    :func:`services.job.prompt_source.validation_prompts`), every id prefixed ``val:``."""
-    from services.job import prompt_source
-
-    prompts = list(prompt_source.validation_prompts(recipe, model_path))[:recipe.grpo.max_val_samples]
-    if not prompts:
-        raise ValueError("validation (grpo.val_period / grpo.val_at_start): the validation set is empty")
-    return [p if p.prompt_id.startswith(VAL_PREFIX) else
-            PromptRequest(f"{VAL_PREFIX}{p.prompt_id}", p.prompt_ids, dict(p.task), scheduled_step=0) for p in prompts]
-
-
 class Validator:
     """Runs validations of a job's prompts on its pool (``pool.evaluate``)."""
 
@@ -101,7 +89,7 @@ class Validator:
         self.pool, self.pool_name, self.prompts = pool, recipe.rollout_pool.name, prompts
         self.batch_size, self.k, self.temperature = g.val_batch_size, g.val_num_generations, g.val_temperature
         self.period, self.at_start = g.val_period, g.val_at_start
-        self.timeout_s = gen.request_timeout_s * (gen.max_retries + 1) + 60.0
+        self.timeout_s = gen.group_deadline_s
         """Longest one batch may take on the pool (every answer may need all its retries)."""
 
     def due(self, step: int) -> bool:

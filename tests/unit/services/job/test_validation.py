@@ -77,16 +77,6 @@ def test_the_validator_sends_batches_and_counts_a_missing_group_as_failed():
     assert r.accuracy == pytest.approx(3 / 4) and r.pass_at_k == pytest.approx(3 / 4)  # q0, q2, q4 of 4 answered
 
 
-def test_validation_prompts_get_val_ids(monkeypatch):
-    recipe = load_recipe(None, ["grpo.max_val_samples=3"])
-    from services.job import prompt_source
-
-    monkeypatch.setattr(prompt_source, "validation_prompts",
-                        lambda r, m: [PromptRequest(f"v{i}", np.array([1]), {"answer": i}) for i in range(5)])
-    out = validation.validation_prompts(recipe, "no-model")
-    assert [p.prompt_id for p in out] == ["val:v0", "val:v1", "val:v2"] and out[2].task == {"answer": 2}
-
-
 def test_a_job_validates_at_start_and_every_period_outside_its_ledger(monkeypatch, tmp_path):
     from services.job.run_log import StepTimer
 
