@@ -8,7 +8,8 @@ expert-parallel rank (``linear_qkv`` fused per query group, ``linear_fc1`` as
 Export (:func:`export_hf_state_dict`): a collective over the TP and EP groups
 that gathers every parameter, undoes the fusions and, on global rank 0, returns
 the source checkpoint's names, dtypes and shapes (:class:`HFTensorMeta`) in its
-order. :func:`pack_hf_buckets` cuts them into ``protocol`` weight buckets;
+order (with tied embeddings, ``lm_head.weight`` is the embedding again when
+the source had one). :func:`pack_hf_buckets` cuts them into ``protocol`` weight buckets;
 :func:`save_hf` writes a loadable HF directory. The name and layout table:
 docs/learner.md, "Weight mapping".
 """
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.model import HFArchitecture
+from learner.hf_config import HFArchitecture
 from protocol.messages import WeightBucket, WeightManifest
 from protocol.weights import pack_buckets
 
@@ -34,6 +35,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
                  "float64": torch.float64}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
 
@@ -172,6 +174,8 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
     Returns the source checkpoint's tensor list (names, dtypes, shapes), which
     export reproduces."""
     ckpt = HFCheckpoint(model_path)
+    if arch.tie_word_embeddings:
+        _check_tied_output(ckpt)
     lay = ParallelLayout.current()
     for name, param in model.named_parameters():
         value = megatron_shard_from_hf(name, arch, ckpt.get, lay)
@@ -180,6 +184,16 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
                              f"Megatron expects {tuple(param.shape)}")
         param.copy_(value.to(param.device))
     return ckpt.metas
+
+
+def _check_tied_output(ckpt: HFCheckpoint) -> None:
+    """With ``tie_word_embeddings`` the output layer is the embedding (Megatron has no ``output_layer.weight``):
+    a checkpoint may still carry ``lm_head.weight``, and then it must equal the embedding (transformers and vLLM
+    ignore it; export writes the embedding back under that name)."""
+    names = {m.name for m in ckpt.metas}
+    if _LM_HEAD in names and not torch.equal(ckpt.get(_LM_HEAD), ckpt.get(_EMBED)):
+        raise ValueError(f"{ckpt.path}: tie_word_embeddings is true but {_LM_HEAD} differs from {_EMBED}; "
+                         f"set tie_word_embeddings to false in config.json or drop {_LM_HEAD}")
 
 
 # ----------------------------------------------------------------------------- export
@@ -285,6 +299,8 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
             out.update(hf_tensors_from_shards(name, arch, [keep(s) for s in shards]))
     if not is_root:
         return None
+    if arch.tie_word_embeddings and any(m.name == _LM_HEAD for m in metas):
+        out[_LM_HEAD] = out[_EMBED].clone()  # the source's tied copy; its own storage (safetensors refuses shared)
     return _match_source(out, metas)
 
 

@@ -1,11 +1,11 @@
 """Build a Megatron-Core ``GPTModel`` from a Hugging Face ``config.json``.
 
-Supported: ``qwen2``, ``llama`` and ``qwen3_moe`` (local layer spec, no
-Transformer Engine). The HF fields are read into :class:`HFArchitecture`,
-turned into a ``TransformerConfig`` that honours
+The HF fields are read into :class:`HFArchitecture` by :mod:`learner.hf_config`
+(the supported families are listed there), turned into a ``TransformerConfig`` that honours
 :class:`~learner.config.MegatronConfig` (TP/EP, recompute, precision; dropout 0
 and every fusion off, so CPU and GPU run the same semantics), and the model is
-built on the current device.
+built on the current device (local layer spec, no Transformer Engine); Llama-3 RoPE
+scaling takes all four of the config's values (:func:`_set_llama3_frequencies`).
 
 :func:`init_distributed` sets up ``torch.distributed`` (gloo on CPU, NCCL on
 GPU) and Megatron's parallel state once per process. The field-by-field mapping:
@@ -13,97 +13,24 @@ docs/learner.md, "Model building".
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
 
 from learner.config import MegatronConfig
+from learner.hf_config import HFArchitecture, Llama3RopeScaling
+from learner.hf_config import read_hf_architecture as read_hf_architecture  # re-exported for the trainer
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3_moe")
 DIST_INIT_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class HFArchitecture:
-    """The fields of an HF ``config.json`` this learner needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int | None = None
-    moe_top_k: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts is not None
-
-    def experts_per_rank(self, ep_size: int) -> int:
-        """Experts held whole by one of ``ep_size`` expert-parallel ranks (MoE architectures only)."""
-        if self.num_experts is None:
-            raise ValueError(f"model_type {self.model_type!r} is dense: it has no experts to place")
-        return self.num_experts // ep_size
-
-
-def read_hf_architecture(model_path: str | os.PathLike) -> HFArchitecture:
-    """Parse ``<model_path>/config.json`` into an :class:`HFArchitecture`."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"model_path: expected an HF model directory with config.json, got {model_path}")
-    cfg = json.loads(path.read_text())
-    mtype = cfg.get("model_type")
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {mtype!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act: expected 'silu', got {cfg['hidden_act']!r}")
-    heads = int(cfg["num_attention_heads"])
-    rope = cfg.get("rope_parameters") or {}
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-        raise ValueError(f"config.json rope: only unscaled RoPE is supported, got {rope or cfg.get('rope_scaling')}")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window: sliding-window attention is not supported")
-    moe: dict = {}
-    if mtype == "qwen3_moe":
-        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
-        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("config.json mlp_only_layers/decoder_sparse_step: only all-MoE layers are supported")
-        moe = dict(num_experts=experts, moe_top_k=int(cfg["num_experts_per_tok"]),
-                   moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
-    qkv_bias = True if mtype == "qwen2" else bool(cfg.get("attention_bias", False))
-    return HFArchitecture(
-        model_type=mtype, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        intermediate_size=int(cfg["intermediate_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta, max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        qk_norm=mtype == "qwen3_moe", **moe)
 
 
 def _free_port() -> int:
@@ -241,6 +168,29 @@ def define_missing_te_symbols() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _set_llama3_frequencies(model: GPTModel, arch: HFArchitecture, scaling: Llama3RopeScaling) -> None:
+    """Give ``model`` the Llama-3 RoPE frequencies of ``scaling``, all four values of it.
+
+    Megatron-Core 0.16.1's ``GPTModel(rope_scaling=True, rope_scaling_factor=f)`` passes only the factor
+    to ``RotaryEmbedding._apply_scaling``, whose ``low_freq_factor=1``, ``high_freq_factor=4`` and
+    ``original_max_position_embeddings=8192`` are then fixed (the published Llama 3.1/3.2 values; any other
+    checkpoint would silently get them). The same function, called with the config's values on the unscaled frequencies,
+    gives transformers' ``_compute_llama3_parameters``. Called before the first forward (RoPE's forward
+    caches its output per length); ``inv_freq`` is not a parameter or buffer, so checkpoints do not carry it."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = model.rotary_pos_emb
+    if not isinstance(rope, RotaryEmbedding):
+        raise TypeError(f"llama3 RoPE scaling: expected a RotaryEmbedding, the model has {type(rope).__name__}")
+    unscaled = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=int(arch.rope_theta),
+                               use_cpu_initialization=True).inv_freq
+    apply_scaling: Callable[..., torch.Tensor] = rope._apply_scaling  # annotated int by its defaults; takes floats
+    rope.inv_freq = apply_scaling(
+        unscaled, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings).to(rope.inv_freq.device)
+
+
 def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig) -> tuple[GPTModel, TransformerConfig]:
     """A Megatron ``GPTModel`` (random init) for ``arch``; weights come from :mod:`learner.hf_weights`.
 
@@ -253,10 +203,14 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig) -> tuple[GPT
         define_missing_te_symbols()
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    scaling = arch.rope_scaling
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
                      max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                     position_embedding_type="rope", rotary_base=int(arch.rope_theta))
+                     position_embedding_type="rope", rotary_base=int(arch.rope_theta),
+                     rope_scaling=scaling is not None, rope_scaling_factor=scaling.factor if scaling else 8.0)
+    if scaling is not None:
+        _set_llama3_frequencies(model, arch, scaling)
     if torch.cuda.is_available():
         model = model.cuda()
     return model, config

@@ -3,7 +3,8 @@
 A push over NCCL (gloo on CPU) must be received in the worker processes, on
 the worker's device, next to the model. :class:`CollectiveWeightReceiver` is
 mixed into vLLM's worker class; the engine calls its methods through
-``collective_rpc``: ``inflight_join_weight_group`` (join the learner's
+``collective_rpc``: ``inflight_reload_weights`` (install a staged bucket push,
+then :mod:`rollout.cpu_reload`), ``inflight_join_weight_group`` (join the learner's
 :class:`protocol.weight_transfer.WeightTransferGroup`), ``inflight_receive_weights``
 (receive and device-verify the next push between two scheduler steps),
 ``inflight_install_received`` (install it while paused, through
@@ -29,7 +30,15 @@ class CollectiveWeightReceiver:
     if TYPE_CHECKING:  # provided by the vLLM worker class this is mixed into
         model_runner: Any
 
-        def reload_weights(self, weights_iterator: Any = None) -> None: ...
+        def reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None) -> None: ...
+
+    def inflight_reload_weights(self, weights_path: str) -> list[str]:
+        """Install a staged push with ``reload_weights``, then rebuild the CPU kernels it leaves stale
+        (:mod:`rollout.cpu_reload`); returns what was repaired."""
+        from rollout.cpu_reload import repair_after_reload
+
+        self.reload_weights(weights_path=weights_path)
+        return repair_after_reload(self.model_runner.get_model())
 
     def inflight_join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
                                    timeout_s: float) -> int:
@@ -60,6 +69,7 @@ class CollectiveWeightReceiver:
 
     def inflight_install_received(self, version: int, direct_load: bool = False) -> dict:
         from protocol.weight_transfer import named_views
+        from rollout.cpu_reload import repair_after_reload
         from rollout.direct_load import DirectLoad, worker_kv_caches
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
@@ -76,6 +86,7 @@ class CollectiveWeightReceiver:
                                   ignore=worker_kv_caches(self))
         finally:
             self._inflight_received = None
+        repair_after_reload(self.model_runner.get_model())  # once per install, whichever path installed it
         if path == "checked" and loader.plan is not None:
             logger.info("weight install: copy plan (%d copies) proven equal to plain load_weights; used from now "
                         "on", len(loader.plan.steps))

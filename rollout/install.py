@@ -3,7 +3,7 @@
 One install at a time (a lock): verify the push before touching the engine (a
 bad push raises :class:`WeightUpdateError` and the old version keeps serving),
 pause (``keep``: running requests stay), install (``reload_weights`` from a
-staged safetensors file, or the workers' install of a push they received over
+staged safetensors file, then :mod:`rollout.cpu_reload`; or the workers' install of a push they received over
 the weight group: direct load / copy plan / reload, :mod:`rollout.direct_load`),
 reset the prefix cache, set the version label, advance the version, and always
 resume. A failure inside the pause leaves the weights marked broken until a
@@ -118,7 +118,7 @@ class Installer:
                 raise
             try:
                 await self._paused_install(llm, manifest.version, lambda: llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": str(staged)}))
+                    "inflight_reload_weights", kwargs={"weights_path": str(staged)}))
             finally:
                 remove_staged(staged)
             self._record(started, manifest.total_bytes)

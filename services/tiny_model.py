@@ -2,8 +2,10 @@
 
 No hub access: the tokenizer is a byte-level BPE (Qwen's pre-tokenizer regex,
 a few hundred tokens, ChatML chat template) trained on a small synthetic
-corpus, and the model is a random init of a real architecture (Qwen2, Llama or
-Qwen3-MoE) saved with ``save_pretrained`` as safetensors. Everything is
+corpus, and the model is a random init of a real architecture (``ARCHS``: Qwen2,
+Qwen3, Llama 2 and 3.x, Mistral, Qwen3-MoE; its ``config.json`` carries the keys
+of the family's published one, at reduced sizes) saved with ``save_pretrained``
+as safetensors. Everything is
 deterministic for a given seed, so tests and the embedded default can rebuild
 the same model anywhere.
 
@@ -21,7 +23,10 @@ import random
 from pathlib import Path
 from typing import TypedDict
 
-ARCHS = ("qwen2", "llama", "qwen3_moe")
+ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = tuple(ARCH_CLASSES)
+"""``llama`` is Llama 2's layout (unscaled RoPE); ``llama3`` adds Llama 3.x's ``llama3`` RoPE scaling."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -101,40 +106,58 @@ class _CommonConfig(TypedDict):
     rms_norm_eps: float
 
 
-def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std: float | None = None):
+def _rope(arch: str, max_positions: int) -> dict:
+    """``rope_parameters`` as the family publishes them; llama3's original context is max_positions / 8, so
+    the scaling changes the frequencies that matter at test lengths (Llama 3.1: 8192 of 131072)."""
+    if arch == "llama3":
+        return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": max(max_positions // 8, 16)}
+    return {"rope_type": "default", "rope_theta": 1000000.0 if arch in ("qwen3", "mistral") else 10000.0}
+
+
+def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std: float | None = None,
+            tie_word_embeddings: bool = False):
     import transformers as tf
 
     dims = SIZES[size]
     common = _CommonConfig(
         vocab_size=vocab, hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
         num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
-        max_position_embeddings=max_positions, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        tie_word_embeddings=False, initializer_range=init_std or (0.2 if size == "tiny" else 0.02),
+        max_position_embeddings=max_positions, rope_parameters=_rope(arch, max_positions),
+        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std or (0.2 if size == "tiny" else 0.02),
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, rms_norm_eps=1e-6)
+    ffn, head_dim = dims["intermediate_size"], dims["head_dim"]
     if arch == "qwen2":
-        cfg = tf.Qwen2Config(intermediate_size=dims["intermediate_size"], use_sliding_window=False, **common)
-        cfg.architectures = ["Qwen2ForCausalLM"]
-    elif arch == "llama":
-        cfg = tf.LlamaConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],
-                             attention_bias=False, mlp_bias=False, hidden_act="silu", **common)
-        cfg.architectures = ["LlamaForCausalLM"]
+        cfg = tf.Qwen2Config(intermediate_size=ffn, use_sliding_window=False, **common)
+    elif arch == "qwen3":  # head_dim twice hidden/heads, as Qwen3-0.6B (1024 / 16 heads, head_dim 128)
+        cfg = tf.Qwen3Config(intermediate_size=ffn, head_dim=2 * head_dim, attention_bias=False,
+                             use_sliding_window=False, sliding_window=None, **common)
+    elif arch in ("llama", "llama3"):
+        cfg = tf.LlamaConfig(intermediate_size=ffn, head_dim=head_dim, attention_bias=False, mlp_bias=False,
+                             hidden_act="silu", **common)
+    elif arch == "mistral":  # MistralConfig's default window is 4096: Mistral 7B v0.2+ publish null
+        cfg = tf.MistralConfig(intermediate_size=ffn, head_dim=head_dim, sliding_window=None, hidden_act="silu",
+                               **common)
     elif arch == "qwen3_moe":
         # head_dim: Qwen3MoeConfig takes it as an extra keyword (its dataclass signature leaves it out)
-        cfg = tf.Qwen3MoeConfig(intermediate_size=dims["intermediate_size"], head_dim=dims["head_dim"],  # pyright: ignore[reportCallIssue]
+        cfg = tf.Qwen3MoeConfig(intermediate_size=ffn, head_dim=head_dim,  # pyright: ignore[reportCallIssue]
                                 moe_intermediate_size=dims["moe_intermediate_size"], num_experts=dims["num_experts"],
                                 num_experts_per_tok=dims["num_experts_per_tok"], decoder_sparse_step=1,
                                 mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
                                 use_sliding_window=False, **common)
-        cfg.architectures = ["Qwen3MoeForCausalLM"]
     else:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    cfg.architectures = [ARCH_CLASSES[arch]]
     return cfg
 
 
 def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen2", size: str = "tiny",
                     dtype: str = "float32", max_positions: int = 2048, tokenizer_from: str | None = None,
-                    init_std: float | None = None) -> Path:
+                    init_std: float | None = None, tie_word_embeddings: bool = False) -> Path:
     """Write a random-init model + tokenizer to ``out_dir`` and return it.
+
+    ``tie_word_embeddings`` shares the embedding with the output layer (Qwen2.5-0.5B/1.5B, Qwen3-0.6B): the
+    safetensors file then has no ``lm_head.weight``.
 
     ``tokenizer_from`` reuses the tokenizer of another tiny model (so two
     models with different seeds share token ids). ``init_std`` overrides the
@@ -159,11 +182,12 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen
     vocab = ((len(tok) + 63) // 64) * 64
     if init_std is not None and not init_std > 0:
         raise ValueError(f"init_std: expected > 0, got {init_std}")
-    cfg = _config(arch, vocab, size, tok, max_positions, init_std)
+    cfg = _config(arch, vocab, size, tok, max_positions, init_std, tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "inflight_tiny.json").write_text(json.dumps({"seed": seed, "arch": arch, "size": size, "dtype": dtype}))
+    (out / "inflight_tiny.json").write_text(json.dumps({"seed": seed, "arch": arch, "size": size, "dtype": dtype,
+                                                              "tie_word_embeddings": tie_word_embeddings}))
     return out

@@ -47,3 +47,27 @@ def tiny_moe_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2)."""
     from services.tiny_model import make_tiny_model
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-moe"), seed=0, arch="qwen3_moe"))
+
+
+FAMILIES = {"qwen2": ("qwen2", False), "qwen2_tied": ("qwen2", True), "qwen3": ("qwen3", False),
+            "llama": ("llama", False), "llama3": ("llama3", False), "qwen3_moe": ("qwen3_moe", False),
+            "mistral": ("mistral", False)}
+"""Every supported model family as a tiny model: name -> (``make_tiny_model`` arch, tie_word_embeddings)."""
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory, tiny_model_dir, tiny_moe_dir):
+    """``family_models(name, seed=0)``: the tiny model of a family in :data:`FAMILIES` (tokenizer of
+    ``tiny_model_dir``), built on first use and reused for the rest of the session."""
+    from services.tiny_model import make_tiny_model
+
+    built = {("qwen2", 0): tiny_model_dir, ("qwen3_moe", 0): tiny_moe_dir}
+
+    def get(name: str, seed: int = 0) -> str:
+        if (name, seed) not in built:
+            arch, tied = FAMILIES[name]
+            out = tmp_path_factory.mktemp(f"tiny-{name}-s{seed}")
+            built[name, seed] = str(make_tiny_model(out, seed=seed, arch=arch, tie_word_embeddings=tied,
+                                                    tokenizer_from=tiny_model_dir))
+        return built[name, seed]
+    return get

@@ -13,19 +13,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", category=UserWarning)
 
 
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory, tiny_model_dir):
-    from services.tiny_model import make_tiny_model
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama",
-                               tokenizer_from=tiny_model_dir))
+FROZEN = ("qwen2", "qwen2_tied", "qwen3", "llama", "llama3", "qwen3_moe", "mistral")
+"""The families of tests/conftest.py's FAMILIES that get a frozen learner."""
 
 
 @pytest.fixture(scope="session")
-def frozen_learners(tiny_model_dir, llama_dir, tiny_moe_dir):
-    """{arch: (model_dir, Learner)} for qwen2, llama and qwen3_moe at version 0."""
-    out = {"qwen2": (tiny_model_dir, make_learner(tiny_model_dir)),
-           "llama": (llama_dir, make_learner(llama_dir)),
-           "qwen3_moe": (tiny_moe_dir, make_learner(tiny_moe_dir))}
+def frozen_learners(family_models):
+    """{family: (model_dir, Learner)} for every family in FROZEN at version 0."""
+    out = {name: (family_models(name), make_learner(family_models(name))) for name in FROZEN}
     yield out
     for _, learner in out.values():
         learner.shutdown()

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.hf_weights import ParallelLayout, hf_tensors_from_shards, megatron_shard_from_hf
-from learner.model import HFArchitecture
+from learner.hf_config import HFArchitecture
+from learner.hf_weights import (HFCheckpoint, ParallelLayout, _check_tied_output, hf_tensors_from_shards,
+                                megatron_shard_from_hf)
 
 ARCH = HFArchitecture(model_type="qwen3_moe", vocab_size=16, hidden_size=8, num_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=2, intermediate_size=12, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -97,3 +98,15 @@ def test_unknown_parameter_names_are_reported(hf):
 def test_tp_that_does_not_divide_is_an_error(hf):
     with pytest.raises(ValueError, match="cannot split"):
         megatron_shard_from_hf("output_layer.weight", ARCH, hf.__getitem__, ParallelLayout(0, 3, 0, 1))
+
+
+def test_a_tied_checkpoints_lm_head_copy_must_equal_the_embedding(tmp_path):
+    from safetensors.torch import save_file
+
+    embed = torch.randn(16, 8)
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}, str(tmp_path / "model.safetensors"))
+    _check_tied_output(HFCheckpoint(tmp_path))  # equal: accepted (export writes the embedding back)
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed + 1}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tie_word_embeddings is true but lm_head.weight differs from "
+                                         "model.embed_tokens.weight"):
+        _check_tied_output(HFCheckpoint(tmp_path))

@@ -51,7 +51,7 @@ class FakeLLM:
             await asyncio.sleep(10)
         if method == self.fail:
             raise RuntimeError(f"{method} broke")
-        if method == "reload_weights":
+        if method == "inflight_reload_weights":
             self.staged_files.append((Path(kwargs["weights_path"]) / "model.safetensors").exists())
         if method == "inflight_receive_weights":
             return self.received
@@ -71,7 +71,7 @@ def installer(version: int = 2, engine_side: bool = True, timeout_s: float = 5.0
 def test_a_good_push_is_installed_in_order_and_the_version_advances():
     inst, llm = installer(), FakeLLM()
     assert asyncio.run(inst.install(llm, *push(3))) == 3 == inst.version
-    assert llm.calls == ["pause:keep:False", "reload_weights", "reset_prefix_cache", "label:3", "resume"]
+    assert llm.calls == ["pause:keep:False", "inflight_reload_weights", "reset_prefix_cache", "label:3", "resume"]
     assert llm.staged_files == [True]
     assert inst.stats.refits == 1 and inst.stats.refit_bytes_last == 24 and inst.stats.refit_rejected == 0
 
@@ -85,8 +85,8 @@ def test_a_bad_push_is_rejected_before_the_engine_is_touched():
 
 
 def test_a_failed_install_marks_the_weights_broken_and_still_resumes_until_a_push_succeeds():
-    inst, llm = installer(), FakeLLM(fail="reload_weights")
-    with pytest.raises(WeightUpdateError, match="installing v3 failed: RuntimeError: reload_weights broke"):
+    inst, llm = installer(), FakeLLM(fail="inflight_reload_weights")
+    with pytest.raises(WeightUpdateError, match="installing v3 failed: RuntimeError: inflight_reload_weights broke"):
         asyncio.run(inst.install(llm, *push(3)))
     assert llm.calls[-1] == "resume" and inst.version == 2 and inst.broken
     with pytest.raises(EngineError, match="weights are inconsistent"):
@@ -98,7 +98,7 @@ def test_a_failed_install_marks_the_weights_broken_and_still_resumes_until_a_pus
 
 
 def test_a_hung_step_is_named_and_bounded():
-    inst, llm = installer(timeout_s=0.05), FakeLLM(hang="reload_weights")
+    inst, llm = installer(timeout_s=0.05), FakeLLM(hang="inflight_reload_weights")
     with pytest.raises(WeightUpdateError, match="reload_weights of v3 did not finish within 0.05s"):
         asyncio.run(inst.install(llm, *push(3)))
     assert llm.calls[-1] == "resume"

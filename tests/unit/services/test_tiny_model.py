@@ -1,4 +1,5 @@
-"""The tiny model factory: local tokenizer round trip, determinism, every architecture."""
+"""The tiny model factory (local tokenizer round trip, determinism, every architecture), ``tiny://`` names and
+the model check of ``inflight validate``."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file
 
-from services.tiny_model import make_tiny_model
+from services.tiny_model import ARCHS, make_tiny_model
 
 TEXTS = ["What is 12 plus 7? The answer is 19.", "the red cat saw a big dog", "Ünïcode and émojis 🙂 survive",
          "  leading spaces\nand newlines\n\n"]
@@ -40,21 +41,78 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path, tiny_model_dir):
     assert all(t1(t).input_ids == t2(t).input_ids for t in TEXTS)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_other_architectures_load_in_transformers(tmp_path, arch, tiny_model_dir):
+@pytest.mark.parametrize("family", ["qwen2_tied", "qwen3", "llama", "llama3", "qwen3_moe", "mistral"])
+def test_other_architectures_load_in_transformers(family_models, family):
     import torch
     from transformers import AutoModelForCausalLM
-    out = make_tiny_model(tmp_path / arch, seed=0, arch=arch, tokenizer_from=tiny_model_dir)
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == arch and cfg["head_dim"] == 32
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    out = family_models(family)
+    cfg = json.loads(open(f"{out}/config.json").read())
+    assert cfg["model_type"] == {"qwen2_tied": "qwen2", "llama3": "llama"}.get(family, family)
+    assert cfg.get("head_dim") == {"qwen2_tied": None, "qwen3": 64}.get(family, 32)  # Qwen2 derives it
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, cfg["vocab_size"]) and torch.isfinite(logits).all()
+    weights = load_file(f"{out}/model.safetensors")
+    assert ("lm_head.weight" in weights) is not cfg["tie_word_embeddings"]
 
 
 def test_cli_make_tiny_model(tmp_path):
     out = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny-model", str(tmp_path / "m"),
-                          "--seed", "3", "--arch", "llama"], capture_output=True, text=True, timeout=300)
+                          "--seed", "3", "--arch", "llama3", "--tie-word-embeddings"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "tokenizer.json").exists()
     assert json.loads((tmp_path / "m" / "inflight_tiny.json").read_text())["seed"] == 3
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["rope_parameters"]["rope_type"] == "llama3"
+    assert "tied embeddings" in out.stdout
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_is_a_tiny_name_and_checks_without_being_built(arch, tmp_path, monkeypatch):
+    from services import model_source
+    monkeypatch.setattr(model_source, "CACHE", tmp_path)
+    tiny = model_source.parse_tiny(f"tiny://{arch}?seed=2&tie=1")
+    assert (tiny.arch, tiny.seed, tiny.size, tiny.tie_word_embeddings) == (arch, 2, "tiny", True)
+    assert tiny.cache_dir == tmp_path / "tiny" / f"{arch}-tied-tiny-s2"
+    assert f"tiny random {arch} (tiny, seed 2, tied embeddings)" in model_source.check_model(f"tiny://{arch}?seed=2&tie=1")
+    assert not any(tmp_path.iterdir())  # nothing built
+    assert model_source.parse_tiny(f"tiny://{arch}").cache_dir.name == f"{arch}-tiny-s0"  # the cache names of before
+
+
+@pytest.mark.parametrize("name", ["tiny://gpt2", "tiny://qwen3?size=huge", "tiny://llama3?tie=yes", "tiny://qwen2?seed=x"])
+def test_bad_tiny_names_list_the_choices(name):
+    from services.model_source import check_model
+    with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral>"):
+        check_model(name)
+
+
+def test_check_model_describes_a_directory_and_refuses_an_unsupported_one(family_models, tmp_path):
+    from services.model_source import check_model
+    assert check_model(family_models("llama3")).startswith("llama: 2 layers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"config.json model_type: 'gpt2' is not supported \(supported: qwen2, "):
+        check_model(str(tmp_path))
+    assert "needs a local HF checkpoint directory" in check_model("Qwen/Qwen2.5-1.5B")
+
+
+def _validate(*overrides: str):
+    return subprocess.run([sys.executable, "-m", "services.cli", "validate", *overrides],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_validate_fails_for_an_unsupported_model_and_names_the_field(tmp_path, family_models):
+    src = json.loads(open(f"{family_models('mistral')}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({**src, "sliding_window": 4096}))
+    out = _validate(f"policy.model_name={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "config.json sliding_window: 4096 is not supported (supported: null for mistral" in out.stderr
+
+
+def test_validate_names_the_family_and_says_a_hub_id_needs_a_local_directory(family_models):
+    ok = _validate(f"policy.model_name={family_models('qwen3')}")
+    assert ok.returncode == 0, ok.stderr
+    assert "policy.model_name: qwen3: 2 layers" in ok.stderr
+    hub = _validate("policy.model_name=Qwen/Qwen2.5-1.5B")
+    assert hub.returncode == 0 and "needs a local HF checkpoint directory" in hub.stderr
