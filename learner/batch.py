@@ -1,9 +1,10 @@
 """One rollout batch as the learner trains it: valid samples, advantages, optimizer-step split.
 
 :func:`collect` keeps the valid samples of every group with their group-relative
-advantages (group mean or leave-one-out baseline), drops overlong samples from
-the loss when ``overlong_filtering`` is on (their reward stays in the baseline)
-and counts what the metrics report; :func:`split` cuts the batch into the
+advantages (group mean or leave-one-out baseline) of their scaled and shaped
+rewards (:mod:`learner.reward_shaping`), drops overlong samples from the loss when
+``overlong_filtering`` is on (their reward stays in the baseline) and counts what
+the metrics report; :func:`split` cuts the batch into the
 samples of each optimizer step (trajectory positions ``[j·B, (j+1)·B)``).
 See docs/learner.md, "A step" and "Several optimizer steps per batch".
 """
@@ -15,6 +16,7 @@ import numpy as np
 
 from learner.config import TrainStepConfig
 from learner.loss import group_advantages
+from learner.reward_shaping import shaped_group_rewards
 from protocol.messages import Trajectory, TrajectoryGroup
 
 
@@ -54,12 +56,21 @@ class StepBatch:
     """Valid samples with ``finish_reason == "length"``."""
     overlong_filtered: int = 0
     """Of those, the ones kept out of the loss (``overlong_filtering``)."""
+    shaped_rewards: list[float] = field(default_factory=list)
+    """The rewards the advantages were computed from (``grpo.reward_scaling`` / ``reward_shaping``), in the
+    order of ``rewards``; equal to them when both are off."""
+    reshaped: bool = False
+    """Whether scaling or shaping was on (the metrics then report ``shaped_reward_*``)."""
+
+    def reward_metrics(self) -> dict[str, float]:
+        """``shaped_reward_{mean,min,max,std}`` when the rewards were scaled or shaped, else nothing."""
+        return summary_stats(self.shaped_rewards, "shaped_reward") if self.reshaped else {}
 
 
 def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, normalize_rewards: bool,
             cfg: TrainStepConfig) -> StepBatch:
     """The valid samples of ``groups`` with their advantages, and the batch's counts."""
-    samples, rewards, lengths = [], [], []
+    samples, rewards, lengths, shaped_all = [], [], [], []
     zero_groups = failed = truncated = length_finished = filtered = 0
     limit = max_total_sequence_length
     position = 0
@@ -72,8 +83,11 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
             continue
         valid = [g.trajectories[i] for i in valid_at]
         group_rewards = [_reward(t) for t in valid]
-        advantages, no_signal = group_advantages(group_rewards, normalize_rewards,
-                                                 cfg.use_leave_one_out_baseline)
+        shaped = shaped_group_rewards(group_rewards, [int(t.response_ids.size) for t in valid],
+                                      [t.finish_reason == "length" for t in valid], cfg.reward_scaling,
+                                      cfg.reward_shaping)
+        shaped_all.extend(float(v) for v in shaped)
+        advantages, no_signal = group_advantages(shaped, normalize_rewards, cfg.use_leave_one_out_baseline)
         zero_groups += int(no_signal)
         prompt = np.asarray(g.prompt_ids, dtype=np.int64)
         if prompt.size < 1 or prompt.size >= limit:
@@ -95,7 +109,7 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
             samples.append(Sample(np.concatenate([prompt, resp.astype(np.int64)]), int(prompt.size),
                                   np.asarray(lp_gen, dtype=np.float32), float(adv), base + i))
     return StepBatch(samples, rewards, zero_groups, failed, truncated, position, lengths, length_finished,
-                     filtered)
+                     filtered, shaped_all, cfg.reward_scaling.enabled or cfg.reward_shaping.enabled)
 
 
 def split(batch: StepBatch, size: int | None) -> list[list[Sample]]:

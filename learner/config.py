@@ -30,6 +30,9 @@ class OptimizerConfig(ConfigModel):
     """Global gradient-norm clip."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear warm-up, in optimizer steps."""
+    lr_warmup_init: float = Field(default=0.0, ge=0.0)
+    """Learning rate the warm-up starts from (Megatron's ``init_lr``; NeMo-RL's ``scheduler.lr_warmup_init``);
+    it rises linearly to ``lr`` over ``lr_warmup_steps``. Unused without warm-up."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
     lr_decay_steps: int | None = Field(default=None, ge=1)
@@ -43,6 +46,8 @@ class OptimizerConfig(ConfigModel):
     def _lrs(self):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        if self.lr_warmup_init > self.lr:
+            raise ValueError(f"lr_warmup_init ({self.lr_warmup_init}) must be <= lr ({self.lr})")
         return self
 
 
@@ -59,6 +64,9 @@ class MegatronConfig(ConfigModel):
     """Recompute activations in the backward pass (saves memory, costs time)."""
     precision: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter/compute dtype; the optimizer keeps fp32 master weights for bf16."""
+    freeze_moe_router: bool = False
+    """Keep the MoE router's weights fixed (NeMo-RL's GRPO default: a trained router lets the engines' expert
+    choice drift from the learner's); no effect on a dense model."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
 
@@ -79,20 +87,105 @@ class SequencePackingConfig(ConfigModel):
 
 
 class LossConfig(ConfigModel):
-    """``loss_fn``: GRPO clipped surrogate with importance-sampling correction."""
+    """``loss_fn``: GRPO clipped surrogate with importance-sampling correction and an optional k3 KL penalty
+    (NeMo-RL's ``ClippedPGLossFn``; formulas in docs/learner.md, "The loss")."""
 
     ratio_clip_min: float = Field(default=0.2, ge=0.0, le=1.0)
     """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
     ratio_clip_max: float = Field(default=0.28, ge=0.0, le=10.0)
     """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max."""
+    ratio_clip_c: float | None = Field(default=None, gt=1.0, le=1000.0)
+    """Dual clip c (Ye et al. 2020): where A < 0 the surrogate is at least c·A, so a token whose ratio ran far
+    above 1 adds at most c·|A| to the loss and no gradient. None: off."""
     use_importance_sampling_correction: bool = True
-    """Multiply by w = min(pi_prev / pi_gen, c) to correct for the engine's behaviour policy."""
-    truncated_importance_sampling_ratio: float = Field(default=2.0, gt=0.0)
-    """c, the truncation of the importance weight."""
+    """Multiply by the importance weight w = pi_prev / pi_gen (truncated as below) to correct for the engine's
+    behaviour policy; False: w = 1."""
+    truncated_importance_sampling_ratio: float | None = Field(default=2.0, gt=0.0)
+    """c, the upper bound of the importance weight; None: the weight is not truncated (NeMo-RL's null)."""
+    truncated_importance_sampling_ratio_min: float | None = Field(default=None, ge=0.0)
+    """Lower bound of the importance weight: tis clamps it from below (None: 0), icepop keeps weights in
+    [ratio_min, c] (None: [1/c, c]). Needs ``truncated_importance_sampling_ratio``."""
     truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
-    """tis: w = min(ratio, c). icepop: w = ratio inside [1/c, c], 0 outside (token masked)."""
+    """tis: w = clamp(ratio, ratio_min, c). icepop: w = ratio inside [ratio_min, c], 0 outside (token masked)."""
+    force_on_policy_ratio: bool = False
+    """pi_prev := pi_theta, detached: the ratio is exactly 1 and the clip never binds (NeMo-RL). Needs one
+    optimizer step per rollout batch (``policy.train_global_batch_size`` None or the whole batch), where
+    pi_prev is that forward anyway; the importance weight is then pi_theta / pi_gen."""
     reference_policy_kl_penalty: float = Field(default=0.0, ge=0.0)
     """Weight of the k3 KL to the reference (initial) policy; 0 disables the reference model."""
+    kl_input_clamp_value: float | None = Field(default=20.0, gt=0.0)
+    """log(pi_ref / pi_theta) is clamped to [-v, v] before the k3 formula (a token where it binds has no KL
+    gradient); None: no clamp."""
+    kl_output_clamp_value: float | None = Field(default=10.0, gt=0.0)
+    """The per-token KL term is clamped to [-v, v] (no gradient where it binds); None: no clamp."""
+
+    @model_validator(mode="after")
+    def _truncation_bounds(self):
+        lo, hi = self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio
+        if lo is not None and hi is None:
+            raise ValueError(f"truncated_importance_sampling_ratio_min ({lo}) needs "
+                             f"truncated_importance_sampling_ratio (None: the weight is not truncated)")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
+                             f"truncated_importance_sampling_ratio ({hi})")
+        return self
+
+
+class RewardScalingConfig(ConfigModel):
+    """``grpo.reward_scaling``: a linear map of every reward, after clamping (NeMo-RL's ``scale_rewards``)."""
+
+    enabled: bool = False
+    """r -> target_min + (clamp(r, source_min, source_max) - source_min) / (source_max - source_min)
+    x (target_max - target_min), before reward shaping and advantages."""
+    source_min: float = 0.0
+    """Low end of the rewards' range; lower rewards are clamped to it."""
+    source_max: float = 1.0
+    """High end of the rewards' range; higher rewards are clamped to it."""
+    target_min: float = 0.0
+    """What ``source_min`` maps to."""
+    target_max: float = 1.0
+    """What ``source_max`` maps to."""
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if not self.source_max > self.source_min:
+            raise ValueError(f"source_max ({self.source_max}) must be > source_min ({self.source_min})")
+        if not self.target_max > self.target_min:
+            raise ValueError(f"target_max ({self.target_max}) must be > target_min ({self.target_min}): an equal "
+                             f"or reversed range gives every answer the same reward or ranks worse answers higher")
+        return self
+
+
+class RewardShapingConfig(ConfigModel):
+    """``grpo.reward_shaping``: DAPO's overlong penalty, or a factor for truncated answers (NeMo-RL's
+    ``apply_reward_shaping``), applied after scaling and before advantages."""
+
+    enabled: bool = False
+    """Shape the rewards (the raw ones stay in ``reward_*`` metrics, the shaped ones in ``shaped_reward_*``)."""
+    overlong_buffer_length: int | None = Field(default=None, ge=1)
+    """L_buf: answers longer than ``max_response_length - L_buf`` tokens lose
+    ``(length - (max_response_length - L_buf)) / L_buf x overlong_buffer_penalty``."""
+    overlong_buffer_penalty: float | None = Field(default=None, ge=0.0)
+    """The penalty at ``max_response_length`` tokens (it keeps growing linearly past it)."""
+    max_response_length: int | None = Field(default=None, ge=1)
+    """L_max of the penalty, in response tokens."""
+    stop_properly_penalty_coef: float | None = Field(default=None, ge=0.0, le=1.0)
+    """When set, replaces the overlong penalty: the reward of an answer cut at the length limit
+    (``finish_reason == "length"``) is multiplied by it (0: no reward, 1: no penalty)."""
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if not self.enabled or self.stop_properly_penalty_coef is not None:
+            return self
+        buf, top = self.overlong_buffer_length, self.max_response_length
+        if buf is None or self.overlong_buffer_penalty is None or top is None:
+            missing = [k for k in ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+                       if getattr(self, k) is None]
+            raise ValueError(f"enabled with stop_properly_penalty_coef None (the overlong penalty) needs "
+                             f"{', '.join(missing)}")
+        if buf > top:
+            raise ValueError(f"overlong_buffer_length ({buf}) must be <= max_response_length ({top})")
+        return self
 
 
 class TrainStepConfig(ConfigModel):
@@ -107,3 +200,7 @@ class TrainStepConfig(ConfigModel):
     overlong_filtering: bool = False
     """Samples with ``finish_reason == "length"`` keep their reward in the group's baseline but contribute
     no token to the loss."""
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    """``grpo.reward_scaling``."""
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    """``grpo.reward_shaping``."""

@@ -2,9 +2,9 @@
 
 :func:`group_advantages`: group-relative advantages (sample std, or the mean
 difference alone; or the leave-one-out baseline of RLOO); an all-equal group
-has exactly zero advantages and is counted. :func:`per_token_loss`: the clipped surrogate with the ``tis`` /
-``icepop`` importance weight (no gradient) and the k3 KL penalty, per response
-token; the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
+has exactly zero advantages and is counted. :func:`per_token_loss`: the clipped surrogate (optionally
+dual-clipped) with the ``tis`` / ``icepop`` importance weight (no gradient) and the clamped k3 KL penalty,
+per response token; the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
 the **global** batch, so micro-batch gradients add up to one masked mean.
 :class:`LossStats` accumulates the metrics (``gen_kl_error``,
 ``policy_kl_error``, ``token_mult_prob_error``, ratios, IS weights) and
@@ -14,6 +14,7 @@ The formulas and the metric table: docs/learner.md, "The loss" and "Metrics".
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,7 @@ ADVANTAGE_EPS = 1e-6
 PART_KEYS = ("ratio", "is_weight", "gen_kl", "policy_kl", "mult_prob_error", "clipped", "entropy")
 
 
-def group_advantages(rewards: list[float], normalize: bool,
+def group_advantages(rewards: Sequence[float] | np.ndarray, normalize: bool,
                      leave_one_out: bool = False) -> tuple[np.ndarray, bool]:
     """Advantages of one group's valid samples, and whether the group has no signal (all zero)."""
     r = np.asarray(rewards, dtype=np.float64)
@@ -41,12 +42,14 @@ def group_advantages(rewards: list[float], normalize: bool,
 
 def leave_one_out_advantages(r: np.ndarray, normalize: bool) -> np.ndarray:
     """RLOO (NeMo-RL ``calculate_baseline_and_std_per_prompt(leave_one_out_baseline=True)``): the baseline of
-    sample i is the mean of the other n-1 rewards, its std the population std of those n-1 rewards; with
-    ``normalize`` the difference is divided by ``std + 1e-6`` where that std is > 0 (else left as it is)."""
+    sample i is the mean of the other n-1 rewards, its std the sample std (Bessel, n-2 in the denominator) of
+    those n-1 rewards, 0 when n = 2; with ``normalize`` the difference is divided by ``std + 1e-6`` where that
+    std is > 0 (else left as it is)."""
     n = r.size
     baseline = (r.sum() - r) / (n - 1)
     sq = ((r * r).sum() - r * r) / (n - 1)
-    std = np.sqrt(np.clip(sq - baseline * baseline, 0.0, None))
+    var = np.clip(sq - baseline * baseline, 0.0, None) * ((n - 1) / (n - 2)) if n > 2 else np.zeros(n)
+    std = np.sqrt(var)
     adv = r - baseline
     if normalize:
         adv = np.where(std > 0, adv / (std + ADVANTAGE_EPS), adv)
@@ -59,15 +62,36 @@ def k3(lp_sampler: torch.Tensor, lp_other: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def reference_kl(lp: torch.Tensor, lp_ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """The per-token KL penalty term (NeMo-RL ``calculate_kl``, k3): ``d = clamp(lp_ref - lp, ±in)``,
+    ``kl = clamp(s·(e^d - d - 1), ±out)`` with ``s = exp(lp - sg(lp))``, which is 1 but carries the
+    score-function gradient ``kl·∇lp`` of sampling from π_θ (NeMo-RL #2506; none where the input clamp binds)."""
+    d = lp_ref - lp
+    score = torch.exp(lp - lp.detach())
+    if cfg.kl_input_clamp_value is not None:
+        v = cfg.kl_input_clamp_value
+        clamped = d.clamp(-v, v)
+        score = torch.where(d == clamped, score, score.detach())
+        d = clamped
+    kl = score * (torch.exp(d) - d - 1.0)
+    if cfg.kl_output_clamp_value is not None:
+        kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    return kl
+
+
 def importance_weights(lp_prev: torch.Tensor, lp_gen: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """w = π_prev/π_gen, truncated ("tis") or masked outside [1/c, c] ("icepop"); 1 when off."""
+    """w = π_prev/π_gen, clamped to [ratio_min or 0, c] ("tis") or zeroed outside [ratio_min or 1/c, c]
+    ("icepop"); untruncated when c is None; 1 when off. A non-finite weight stays non-finite, so that the step
+    is skipped and reported (NeMo-RL's ``nan_to_num`` would train on it as 0)."""
     if not cfg.use_importance_sampling_correction:
         return torch.ones_like(lp_prev)
     ratio = torch.exp(lp_prev - lp_gen)
-    c = cfg.truncated_importance_sampling_ratio
+    c, low = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
+    if c is None:
+        return ratio
     if cfg.truncated_importance_sampling_type == "tis":
-        return torch.clamp(ratio, max=c)
-    inside = (ratio >= 1.0 / c) & (ratio <= c)
+        return torch.clamp(ratio, min=0.0 if low is None else low, max=c)
+    inside = (ratio >= (1.0 / c if low is None else low)) & (ratio <= c)
     return torch.where(inside, ratio, torch.zeros_like(ratio))
 
 
@@ -82,22 +106,29 @@ class TokenInputs:
 
 
 def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """loss_t for every token (differentiable in ``lp``) and the per-token quantities the metrics need."""
-    ratio = torch.exp(lp - x.lp_prev)
+    """loss_t for every token (differentiable in ``lp``) and the per-token quantities the metrics need.
+    With ``force_on_policy_ratio`` π_prev is ``lp`` itself, detached (ratio exactly 1), as in NeMo-RL."""
+    lp_prev = lp.detach() if cfg.force_on_policy_ratio else x.lp_prev
+    adv = x.advantages
+    ratio = torch.exp(lp - lp_prev)
     clipped = torch.clamp(ratio, 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
-    surrogate = torch.minimum(ratio * x.advantages, clipped * x.advantages)
-    w = importance_weights(x.lp_prev, x.lp_gen, cfg).detach()
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    c = cfg.ratio_clip_c
+    if c is not None:  # dual clip: for A < 0 the surrogate never falls below c·A
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, c * adv), surrogate)
+    w = importance_weights(lp_prev, x.lp_gen, cfg).detach()
     loss = -w * surrogate
     if cfg.reference_policy_kl_penalty > 0:
         if x.lp_ref is None:
             raise ValueError("reference_policy_kl_penalty > 0 needs the reference policy's log-probs (lp_ref)")
-        loss = loss + cfg.reference_policy_kl_penalty * k3(lp, x.lp_ref)
+        loss = loss + cfg.reference_policy_kl_penalty * reference_kl(lp, x.lp_ref, cfg)
     with torch.no_grad():
-        binds = ((x.advantages > 0) & (ratio > 1.0 + cfg.ratio_clip_max)) | \
-                ((x.advantages < 0) & (ratio < 1.0 - cfg.ratio_clip_min))
+        binds = ((adv > 0) & (ratio > 1.0 + cfg.ratio_clip_max)) | ((adv < 0) & (ratio < 1.0 - cfg.ratio_clip_min))
+        if c is not None:
+            binds = binds | ((adv < 0) & (ratio > c))
         parts = {"ratio": ratio.detach(), "is_weight": w, "clipped": binds.to(ratio.dtype),
-                 "gen_kl": k3(x.lp_gen, x.lp_prev), "policy_kl": k3(x.lp_prev, lp.detach()),
-                 "mult_prob_error": torch.exp(torch.abs(x.lp_prev - x.lp_gen))}
+                 "gen_kl": k3(x.lp_gen, lp_prev), "policy_kl": k3(lp_prev, lp.detach()),
+                 "mult_prob_error": torch.exp(torch.abs(lp_prev - x.lp_gen))}
     return loss, parts
 
 

@@ -8,8 +8,8 @@ set on the model config and DDP does not average again). The optimizer is
 clipping at ``clip_grad``; the ``DistributedOptimizer`` shards fp32 master
 weights and Adam moments over data-parallel ranks when
 ``use_distributed_optimizer``), and the schedule is Megatron's
-``OptimizerParamScheduler`` (linear warm-up, then constant / linear / cosine
-decay to ``min_lr``).
+``OptimizerParamScheduler`` (linear warm-up from ``lr_warmup_init``, then constant / linear /
+cosine decay to ``min_lr``).
 
 Every Megatron optimizer call runs inside :func:`learner.cpu_compat.device_redirect`,
 which is the CPU redirection on a CPU-only machine and nothing on a GPU.
@@ -119,7 +119,7 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerSta
     if cfg.lr_warmup_steps >= decay_steps:
         raise ValueError(f"lr_warmup_steps ({cfg.lr_warmup_steps}) must be < lr_decay_steps ({decay_steps})")
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        optimizer, init_lr=cfg.lr_warmup_init if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
         lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.lr_decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
     return OptimizerStack(optimizer, scheduler)

@@ -102,6 +102,10 @@ class Learner:
         self.bf16 = megatron.precision == "bfloat16"
         self.gpt, self.config = build_gpt_model(self.arch, megatron)
         self.hf_metas = load_hf_weights(self.gpt, self.arch, model_path)
+        if megatron.freeze_moe_router:
+            for name, param in self.gpt.named_parameters():
+                if ".mlp.router." in name:
+                    param.requires_grad_(False)  # out of the DDP buffers and the optimizer
         self.model = wrap_ddp(self._precision_wrap(self.gpt), self.config,
                               megatron.optimizer.use_distributed_optimizer)
         self.optim = build_optimizer(self.model, megatron.optimizer, self.bf16)
@@ -173,7 +177,12 @@ class Learner:
         batch = self._collect(groups)
         _, _, dp_group = self._dp()
         self.model.train()
-        preps = [self._prepare(samples) for samples in self._split(batch)]
+        minis = self._split(batch)
+        if self.loss_cfg.force_on_policy_ratio and len(minis) > 1:
+            raise ValueError(f"loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch, got "
+                             f"{len(minis)} (policy.train_global_batch_size="
+                             f"{self.step_cfg.train_global_batch_size}); expected None or the whole batch")
+        preps = [self._prepare(samples) for samples in minis]
         n_global = torch.tensor([p.local_tokens for p in preps], dtype=torch.float64,
                                 device=self.device)  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
@@ -221,6 +230,7 @@ class Learner:
         metrics.update({
             "reward_mean": float(np.mean(batch.rewards)) if batch.rewards else 0.0,
             **{k: v for k, v in summary_stats(batch.rewards, "reward").items() if k != "reward_mean"},
+            **batch.reward_metrics(),
             **summary_stats([float(n) for n in batch.response_lengths], "response_length"),
             "truncation_rate": batch.length_finished / valid if batch.rewards else 0.0,
             "overlong_filtered_samples": float(batch.overlong_filtered),

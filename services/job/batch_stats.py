@@ -12,15 +12,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from learner.config import RewardScalingConfig
+from learner.reward_shaping import scale_rewards
 from protocol import TrajectoryGroup
 
 ZERO_ADVANTAGE_TOL = 1e-9
 """Rewards closer than this are equal (weighted sums of reward functions are not bit-exact)."""
 
 
-def zero_advantage(group: TrajectoryGroup) -> bool:
-    """True when the group has two or more valid samples and all their rewards are equal (no advantage)."""
+def zero_advantage(group: TrajectoryGroup, scaling: RewardScalingConfig | None = None) -> bool:
+    """True when the group has two or more valid samples and all their rewards are equal (no advantage), after
+    ``grpo.reward_scaling`` (its clamp may make rewards equal) and before shaping, as NeMo-RL's dynamic
+    sampling judges them (:mod:`learner.reward_shaping`)."""
     rewards = [float(t.reward) for t in group.valid if t.reward is not None]
+    if scaling is not None:
+        rewards = scale_rewards(rewards, scaling).tolist()
     return len(rewards) >= 2 and max(rewards) - min(rewards) <= ZERO_ADVANTAGE_TOL
 
 

@@ -44,14 +44,16 @@ class LearnerSpec:
     normalize_rewards: bool
     seed: int
     step_config: TrainStepConfig
-    """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``."""
+    """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``,
+    ``grpo.reward_scaling``, ``grpo.reward_shaping``."""
 
     @classmethod
     def of(cls, recipe: Recipe, model: ModelFiles | str) -> LearnerSpec:
         p, g = recipe.policy, recipe.grpo
         step = TrainStepConfig(train_global_batch_size=p.train_global_batch_size,
                                use_leave_one_out_baseline=g.use_leave_one_out_baseline,
-                               overlong_filtering=g.overlong_filtering)
+                               overlong_filtering=g.overlong_filtering, reward_scaling=g.reward_scaling,
+                               reward_shaping=g.reward_shaping)
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
                    g.normalize_rewards, g.seed, step)
 

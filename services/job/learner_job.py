@@ -62,7 +62,7 @@ class LearnerJob:
         self.book = PromptBook(PromptSource.of_task(recipe, model_path), self._submit, g.num_prompts_per_step,
                                g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
                                max_prompts_per_step=g.dynamic_sampling_max_gen_batches * g.num_prompts_per_step
-                               if g.use_dynamic_sampling else None)
+                               if g.use_dynamic_sampling else None, reward_scaling=g.reward_scaling)
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
         self.version = int(learner.call("version"))

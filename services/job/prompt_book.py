@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+from learner.config import RewardScalingConfig
 from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
 from services.job.backoff import ReplacementBackoff
 from services.job.batch_stats import zero_advantage
@@ -82,11 +83,11 @@ class SamplingStats:
 class PromptBook:
     def __init__(self, source: PromptSource, submit: Callable[[list[PromptRequest]], object], per_step: int,
                  last_step: int, max_age: int, backoff: ReplacementBackoff | None = None,
-                 max_prompts_per_step: int | None = None):
+                 max_prompts_per_step: int | None = None, reward_scaling: RewardScalingConfig | None = None):
         """``submit(requests)`` sends prompts to the pool; ``per_step`` groups make a step; no prompt is drawn
         for a step after ``last_step``; groups older than ``max_age`` versions are dropped as stale. With
         ``max_prompts_per_step`` (dynamic sampling on), zero-advantage groups are dropped and replaced while
-        fewer prompts than that have been drawn for their step."""
+        fewer prompts than that have been drawn for their step, judged on rewards after ``reward_scaling``."""
         self.source, self.submit = source, submit
         self.per_step, self.last_step = per_step, last_step
         self.ledger = PromptLedger()
@@ -99,6 +100,7 @@ class PromptBook:
         self.last_sample_error = ""
         """Why a sample of the last group dropped for too few valid samples failed."""
         self.max_prompts_per_step = max_prompts_per_step
+        self.reward_scaling = reward_scaling
         self.drawn: Counter = Counter()
         """Prompts drawn for each step not yet taken (dynamic sampling's bound)."""
         self.zero_advantage_drops: Counter = Counter()
@@ -214,13 +216,14 @@ class PromptBook:
         drawn, dropped = self.drawn.pop(step, 0), self.zero_advantage_drops.pop(step, 0)
         if self.max_prompts_per_step is None:
             return None
-        return SamplingStats(dropped, drawn / self.per_step, sum(zero_advantage(b.group) for b in groups))
+        exhausted = sum(zero_advantage(b.group, self.reward_scaling) for b in groups)
+        return SamplingStats(dropped, drawn / self.per_step, exhausted)
 
     def _resample(self, group: TrajectoryGroup) -> bool:
         """Whether dynamic sampling drops ``group`` (zero advantage, and its step's bound not reached)."""
         limit = self.max_prompts_per_step
         step = self.ledger.scheduled[group.prompt_id]
-        return limit is not None and self.drawn[step] < limit and zero_advantage(group)
+        return limit is not None and self.drawn[step] < limit and zero_advantage(group, self.reward_scaling)
 
     def settle(self, groups: list[BufferedGroup], trained: bool) -> None:
         """The groups of a train step: trained, or dropped as ``step_skipped`` (:mod:`services.job.skips`)."""

@@ -49,7 +49,7 @@ def make_learner(model_dir: str, **overrides):
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.trainer import Learner
 
-    megatron = MegatronConfig(precision="float32",
+    megatron = MegatronConfig(precision="float32", freeze_moe_router=overrides.pop("freeze_moe_router", False),
                               optimizer=OptimizerConfig(lr=overrides.pop("lr", 1e-3), weight_decay=0.0))
     loss = overrides.pop("loss", LossConfig())
     packing = overrides.pop("packing", SequencePackingConfig(train_mb_tokens=256))

@@ -1,6 +1,7 @@
 """GRPO options and batch statistics of a learner step on real Megatron-Core: the leave-one-out
 baseline, overlong filtering (truncated samples keep their reward in the baseline, add no token),
-the policy's token entropy against transformers, and the reward / response-length statistics."""
+the policy's token entropy against transformers, and the reward / response-length statistics; NeMo-RL's
+reward scaling and shaping, ``force_on_policy_ratio``, the dual clip and the KL clamps."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,3 +84,128 @@ def test_token_entropy_and_batch_statistics(tiny_model_dir):
         assert m["truncation_rate"] == 0 and m["optimizer_steps"] == 1
     finally:
         learner.shutdown()
+
+
+# ---------------------------------------------------------------- NeMo-RL's reward and loss options
+
+LR = 2e-2  # large: the first update moves the second optimizer step's ratios well away from 1
+
+
+def _params(learner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in learner.gpt.named_parameters()}
+
+
+def test_reward_scaling_and_shaping_reach_the_advantages_and_the_metrics(tiny_model_dir):
+    from learner.config import RewardScalingConfig, RewardShapingConfig, TrainStepConfig
+
+    step = TrainStepConfig(reward_scaling=RewardScalingConfig(enabled=True, target_min=-1.0),
+                           reward_shaping=RewardShapingConfig(enabled=True, overlong_buffer_length=4,
+                                                              overlong_buffer_penalty=1.0, max_response_length=12))
+    learner = make_learner(tiny_model_dir, step_config=step)
+    try:
+        batch = groups(learner, num_groups=1, group_size=4)
+        for t, r in zip(batch[0].trajectories, [1.0, 1.0, 0.0, 0.0], strict=True):
+            t.reward = r
+        lengths = np.array([t.response_ids.size for t in batch[0].trajectories], dtype=float)
+        assert (lengths > 8).any() and (lengths <= 8).any()  # the penalty starts past 12 - 4 tokens
+        shaped = np.array([1.0, 1.0, -1.0, -1.0]) + np.minimum(0.0, -(lengths - 8) / 4)
+        expected = (shaped - shaped.mean()) / (shaped.std(ddof=1) + 1e-6)
+        np.testing.assert_allclose([s.advantage for s in learner._collect(batch).samples], expected, rtol=1e-6)
+        m = learner.train_step(batch)
+        assert m["reward_mean"] == pytest.approx(0.5) and m["reward_min"] == 0.0  # raw
+        assert m["shaped_reward_mean"] == pytest.approx(shaped.mean()) and m["shaped_reward_min"] == shaped.min()
+        assert m["step_skipped"] == 0
+    finally:
+        learner.shutdown()
+
+
+def test_force_on_policy_ratio_is_the_single_step_update_and_refuses_two_steps(tiny_model_dir):
+    from learner.config import LossConfig, TrainStepConfig
+
+    forced = make_learner(tiny_model_dir, loss=LossConfig(force_on_policy_ratio=True,
+                                                          truncated_importance_sampling_ratio=None))
+    plain = make_learner(tiny_model_dir, loss=LossConfig(truncated_importance_sampling_ratio=None))
+    try:
+        batch = groups(plain, num_groups=2, group_size=4, seed=3)
+        rng = np.random.default_rng(0)
+        for g in batch:  # off-policy: the engine's log-probs differ, so the weights are not 1
+            for t in g.trajectories:
+                t.logprobs = (t.logprobs + rng.normal(0.0, 0.2, t.logprobs.size)).astype(np.float32)
+        m_forced, m_plain = forced.train_step(batch), plain.train_step(batch)
+        for key in ("loss", "is_weight_mean", "is_weight_max", "gen_kl_error", "grad_norm"):
+            assert m_forced[key] == m_plain[key], key
+        assert m_forced["is_weight_max"] > 1.2 and m_forced["probs_ratio_min"] == m_forced["probs_ratio_max"] == 1.0
+        a, b = _params(forced), _params(plain)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        forced.step_cfg = TrainStepConfig(train_global_batch_size=4)
+        with pytest.raises(ValueError, match=r"force_on_policy_ratio needs one optimizer step per rollout batch, "
+                                             r"got 2 \(policy.train_global_batch_size=4\)"):
+            forced.train_step(batch)
+        assert all(torch.equal(v, b[k]) for k, v in _params(forced).items())  # refused before any update
+    finally:
+        forced.shutdown()
+        plain.shutdown()
+
+
+def _dual_clip_loss(lp_theta, lp_prev, lp_gen, adv, cfg) -> tuple[float, int]:
+    """Σ_t -w_t·surrogate_t with the dual clip, and the tokens where the dual clip binds, from numpy arrays."""
+    rho = np.exp(lp_theta - lp_prev)
+    w = np.minimum(np.exp(lp_prev - lp_gen), cfg.truncated_importance_sampling_ratio)
+    surrogate = np.minimum(rho * adv, np.clip(rho, 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max) * adv)
+    surrogate = np.where(adv < 0, np.maximum(surrogate, cfg.ratio_clip_c * adv), surrogate)
+    return float((-w * surrogate).sum()), int(((adv < 0) & (rho > cfg.ratio_clip_c)).sum())
+
+
+def test_dual_clip_binds_on_the_second_optimizer_step_as_computed_by_hand(tiny_model_dir):
+    from learner.config import LossConfig, TrainStepConfig
+
+    cfg = LossConfig(ratio_clip_c=1.05)
+    two = make_learner(tiny_model_dir, lr=LR, loss=cfg, step_config=TrainStepConfig(train_global_batch_size=8))
+    first_only = make_learner(tiny_model_dir, lr=LR, loss=cfg)
+    try:
+        batch = groups(two, num_groups=4, group_size=4, seed=5)  # 16 trajectories: 2 optimizer steps
+        first, second = batch[:2], batch[2:]
+
+        def lps(learner, part):
+            return np.concatenate(learner.logprobs([g.prompt_ids for g in part for _ in g.trajectories],
+                                                   [t.response_ids for g in part for t in g.trajectories]))
+
+        lp_prev1, lp_prev2 = lps(two, first), lps(two, second)
+        first_only.train_step(first)
+        lp_theta2 = lps(first_only, second)  # the weights the second optimizer step trains
+        m = two.train_step(batch)
+        assert m["optimizer_steps"] == 2
+
+        samples = two._collect(batch).samples
+        adv = [np.concatenate([np.full(s.lp_gen.size, s.advantage) for s in part])
+               for part in (samples[:8], samples[8:])]
+        lp_gen = [np.concatenate([t.logprobs for g in part for t in g.trajectories]) for part in (first, second)]
+        loss1, dual1 = _dual_clip_loss(lp_prev1, lp_prev1, lp_gen[0], adv[0], cfg)
+        loss2, dual2 = _dual_clip_loss(lp_theta2, lp_prev2, lp_gen[1], adv[1], cfg)
+        assert dual1 == 0 and dual2 > 0  # the ratio is 1 at the first step; the dual clip binds at the second
+        assert m["loss"] == pytest.approx((loss1 + loss2) / m["num_valid_tokens"], rel=2e-3, abs=1e-5)
+    finally:
+        two.shutdown()
+        first_only.shutdown()
+
+
+def test_a_binding_kl_clamp_leaves_no_kl_gradient(tiny_model_dir):
+    from learner.config import LossConfig, TrainStepConfig
+
+    step = TrainStepConfig(train_global_batch_size=8)
+    none = make_learner(tiny_model_dir, lr=LR, step_config=step)
+    clamped = make_learner(tiny_model_dir, lr=LR, step_config=step,
+                           loss=LossConfig(reference_policy_kl_penalty=0.5, kl_output_clamp_value=1e-12))
+    free = make_learner(tiny_model_dir, lr=LR, step_config=step,
+                        loss=LossConfig(reference_policy_kl_penalty=0.5, kl_output_clamp_value=None))
+    try:
+        batch = groups(none, num_groups=4, group_size=4, seed=5)  # 2 optimizer steps: the KL is > 0 at the second
+        for learner in (none, clamped, free):
+            assert learner.train_step(batch)["optimizer_steps"] == 2
+        p_none, p_clamped, p_free = _params(none), _params(clamped), _params(free)
+        for k, v in p_none.items():
+            torch.testing.assert_close(p_clamped[k], v, rtol=1e-5, atol=1e-7)
+        assert max(float((p_free[k] - v).abs().max()) for k, v in p_none.items()) > 1e-5
+    finally:
+        for learner in (none, clamped, free):
+            learner.shutdown()

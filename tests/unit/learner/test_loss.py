@@ -145,14 +145,20 @@ def test_leave_one_out_advantages_against_a_hand_computation():
     assert not zero
     adv_n, _ = group_advantages(r, normalize=True, leave_one_out=True)
     others = [[0.0, 0.0, 2.0], [1.0, 0.0, 2.0], [1.0, 0.0, 2.0], [1.0, 0.0, 0.0]]
-    expected = [(ri - np.mean(o)) / (np.std(o) + 1e-6) for ri, o in zip(r, others)]  # population std (NeMo-RL)
+    # the others' sample std (Bessel; NeMo-RL's num_valid / (num_valid - 1) since its #1423)
+    expected = [(ri - np.mean(o)) / (np.std(o, ddof=1) + 1e-6) for ri, o in zip(r, others, strict=True)]
     np.testing.assert_allclose(adv_n, expected, rtol=1e-6)
+    # by hand for sample 0: others [0, 0, 2], mean 2/3, sample variance ((4/9)·2 + 16/9) / 2 = 4/3
+    assert adv_n[0] == pytest.approx((1 - 2 / 3) / (math.sqrt(4 / 3) + 1e-6), rel=1e-6)
 
 
 def test_leave_one_out_with_equal_others_is_not_divided_and_equal_groups_stay_zero():
     adv, _ = group_advantages([1.0, 0.0, 0.0], normalize=True, leave_one_out=True)
-    # sample 0's others are [0, 0] (std 0): its advantage stays 1 - 0; the others see [1, 0] (std 0.5)
-    np.testing.assert_allclose(adv, [1.0, -0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)], rtol=1e-6)
+    # sample 0's others are [0, 0] (std 0): its advantage stays 1 - 0; the others see [1, 0] (sample std √½)
+    s = math.sqrt(0.5)
+    np.testing.assert_allclose(adv, [1.0, -0.5 / (s + 1e-6), -0.5 / (s + 1e-6)], rtol=1e-6)
+    adv, _ = group_advantages([1.0, 0.0], normalize=True, leave_one_out=True)
+    np.testing.assert_allclose(adv, [1.0, -1.0])  # n = 2: one other sample, no std, not divided
     adv, zero = group_advantages([0.7, 0.7, 0.7], normalize=True, leave_one_out=True)
     assert zero and np.all(adv == 0)
 

@@ -69,3 +69,12 @@ def test_the_jobs_train_metrics_carry_the_function_means_and_dynamic_samplings_n
     assert metrics["dynamic_sampling_dropped"] == 1
     assert metrics["dynamic_sampling_attempts"] == 2.0 and metrics["dynamic_sampling_exhausted"] == 0
     assert metrics["reward_format_mean"] == 0.5                      # over the wire, from the trained group
+
+
+def test_zero_advantage_is_judged_after_reward_scaling():
+    from learner.config import RewardScalingConfig
+
+    clamps = RewardScalingConfig(enabled=True, target_min=-1.0)      # source range [0, 1]: 1.0 and 1.5 both map to 1
+    assert not zero_advantage(group(sample(1.0), sample(1.5)))
+    assert zero_advantage(group(sample(1.0), sample(1.5)), clamps)
+    assert not zero_advantage(group(sample(0.0), sample(1.0)), clamps)

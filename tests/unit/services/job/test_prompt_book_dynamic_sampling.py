@@ -95,3 +95,15 @@ def test_replacements_for_a_later_step_count_for_that_step_and_a_restore_keeps_t
     again.restore(book.state())
     assert again.drawn == book.drawn and again.zero_advantage_drops == book.zero_advantage_drops
     assert again.buffer.drops == {"zero_advantage": 1}
+
+
+def test_dynamic_sampling_judges_rewards_after_reward_scaling():
+    from learner.config import RewardScalingConfig
+
+    submitted: list[str] = []
+    book = PromptBook(PromptSource(prompts(64), seed=0), lambda reqs: submitted.extend(r.prompt_id for r in reqs),
+                      per_step=1, last_step=10, max_age=1, max_prompts_per_step=4,
+                      reward_scaling=RewardScalingConfig(enabled=True, target_min=-1.0))
+    book.schedule(1)
+    book.receive(encode(rewarded(submitted[0], [1.0, 1.5])))           # both clamp to 1.0: no signal once scaled
+    assert book.ledger.dropped == {submitted[0]: "zero_advantage"} and len(submitted) == 2
