@@ -46,9 +46,9 @@ class RolloutEngine:
                  start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0):
         if max_model_len < 16:
             raise ValueError(f"max_model_len: expected >= 16, got {max_model_len}")
-        if generation.max_new_tokens >= max_model_len:
-            raise ValueError(f"policy.generation.max_new_tokens ({generation.max_new_tokens}) must be smaller "
-                             f"than max_model_len ({max_model_len})")
+        if generation.max_new_tokens > max_model_len:
+            raise ValueError(f"policy.generation.max_new_tokens ({generation.max_new_tokens}) must be <= "
+                             f"max_model_len ({max_model_len})")
         if initial_version < 0:
             raise ValueError(f"initial_version: expected >= 0, got {initial_version}")
         for name, value in (("reward_timeout_s", reward_timeout_s), ("start_timeout_s", start_timeout_s),
@@ -70,7 +70,7 @@ class RolloutEngine:
         self.installer = Installer(engine_id, self.labels, initial_version,
                                     recompute_kv=recompute_kv_cache_after_weight_updates,
                                     in_flight=in_flight_weight_updates, timeout_s=weight_update_timeout_s)
-        self.sampler = GroupSampler(engine_id, generation, reward_fn, reward_timeout_s, self.labels,
+        self.sampler = GroupSampler(engine_id, generation, reward_fn, reward_timeout_s, self.labels, max_model_len,
                                      llm=self._require_started, version=lambda: self.installer.version,
                                      dead_reason=self.dead_reason)
 

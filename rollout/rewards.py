@@ -6,7 +6,7 @@ A reward function scores a whole group at once: a list of :class:`RewardInput`
 :func:`score_group` runs it under a deadline and turns every failure
 (exception, timeout, wrong count, non-finite value) into per-sample
 :class:`RewardFailure` s -- never into reward 0. :func:`get_reward_fn` knows
-``math_verify`` (:mod:`rollout.math_verify_reward`), ``math_exact``, ``format``
+``math_verify`` and ``dapo_math_verify`` (:mod:`rollout.math_verify_reward`), ``math_exact``, ``format``
 and ``repeat_letter`` (:mod:`rollout.reward_fns`; docs/rollout.md, "Rewards"),
 or loads ``module:function`` / ``file.py:function``. Several weighted functions
 in worker processes: :mod:`rollout.reward_env`.
@@ -20,16 +20,17 @@ from collections.abc import Awaitable
 from concurrent.futures import Executor
 from typing import cast
 
-from rollout.math_verify_reward import math_verify
+from rollout.math_verify_reward import dapo_math_verify, math_verify
 from rollout.reward_fns import extract_answer, format_reward, math_exact, repeat_letter
 from rollout.reward_types import RewardFailure, RewardFn, RewardInput, RewardResult, Scored
 
 __all__ = ["REWARD_FNS", "RewardFailure", "RewardFn", "RewardInput", "RewardResult", "Scored", "check_results",
-           "extract_answer", "format_reward", "get_reward_fn", "math_exact", "math_verify", "repeat_letter",
-           "score_group"]
+           "dapo_math_verify", "extract_answer", "format_reward", "get_reward_fn", "math_exact", "math_verify",
+           "repeat_letter", "score_group"]
 
 REWARD_FNS: dict[str, RewardFn] = {
     "math_verify": math_verify,
+    "dapo_math_verify": dapo_math_verify,
     "math_exact": math_exact,
     "format": format_reward,
     "repeat_letter": repeat_letter,

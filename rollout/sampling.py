@@ -79,9 +79,11 @@ class GroupSampler:
     """Samples and scores groups; ``generation``, ``reward_fn`` and ``reward_timeout_s`` are read at every call."""
 
     def __init__(self, engine_id: str, generation: GenerationConfig, reward_fn: RewardFn, reward_timeout_s: float,
-                 labels: VersionLabels, llm: Callable[[], Any], version: Callable[[], int],
+                 labels: VersionLabels, max_model_len: int, llm: Callable[[], Any], version: Callable[[], int],
                  dead_reason: Callable[[], str]):
         self.engine_id = engine_id
+        self.max_model_len = max_model_len
+        """Prompt + answer tokens of one sequence: an answer gets ``min(max_new_tokens, max_model_len - prompt)``."""
         self.generation = generation
         self.reward_fn = reward_fn
         self.reward_timeout_s = reward_timeout_s
@@ -207,8 +209,13 @@ class GroupSampler:
                            temperature: float | None = None) -> _Sample:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
         request_id = self._new_request_id()
+        budget = min(self.generation.max_new_tokens, self.max_model_len - len(request.prompt_ids))
+        if budget < 1:
+            raise SampleFailed(f"prompt of {len(request.prompt_ids)} tokens leaves no room for an answer "
+                               f"(max_model_len {self.max_model_len})")
         streamed = self.labels.open(request_id, self._version())
-        params = self._sampling_params(seed, stream=streamed is not None, temperature=temperature, logprobs=0)
+        params = self._sampling_params(seed, max_tokens=budget, stream=streamed is not None,
+                                       temperature=temperature, logprobs=0)
         try:
             out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
                                           streamed, request_id)

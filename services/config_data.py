@@ -11,6 +11,10 @@ from protocol.config_base import ConfigModel
 
 BUILTIN_DATASETS = ("repeat_letter", "arithmetic")
 """Prompt sets generated in process from ``grpo.seed`` (:mod:`rollout.tasks`)."""
+HUB_PREFIX = "hf://"
+"""A data path ``hf://<owner>/<name>`` names a Hugging Face Hub dataset."""
+MATH_VERIFY_IMPLS = {"hf_math_verify": "math_verify", "dapo_math_verify": "dapo_math_verify"}
+"""``env.<name>.math_verify_impl`` -> the reward function that the name ``math_verify`` stands for."""
 
 
 class DataConfig(ConfigModel):
@@ -22,15 +26,36 @@ class DataConfig(ConfigModel):
     num_prompts: int = Field(default=4096, ge=1)
     """Size of a built-in prompt set (``dataset_name``)."""
     train_data_path: str | None = None
-    """Training rows: a JSONL, Parquet or CSV file (or a glob of them), or a directory written by
-    ``datasets.Dataset.save_to_disk``; read with Hugging Face ``datasets`` (memory-mapped Arrow)."""
+    """Training rows: a JSONL, Parquet or CSV file (or a glob of them), a directory written by
+    ``datasets.Dataset.save_to_disk``, or a Hugging Face Hub dataset ``hf://<owner>/<name>`` (loaded with
+    ``datasets.load_dataset`` when the run starts: it needs the Hub or a copy in the datasets cache); read with
+    Hugging Face ``datasets`` (memory-mapped Arrow)."""
+    train_split: str | None = None
+    """Split of an ``hf://`` ``train_data_path`` (default ``train``); only for ``hf://`` paths (NeMo-RL
+    ``data.train.split``)."""
     val_data_path: str | None = None
     """Validation rows, in the same forms as ``train_data_path``. With a built-in ``dataset_name`` and no path,
     validation uses ``max_val_samples`` prompts of the same set drawn with another seed."""
+    val_split: str | None = None
+    """Split of an ``hf://`` ``val_data_path`` (default ``train``); only for ``hf://`` paths (NeMo-RL
+    ``data.validation.split``)."""
+    split_validation_size: float = Field(default=0.0, ge=0.0)
+    """Hold out part of ``train_data_path`` as the validation set (when no ``val_data_path`` is given): a
+    fraction in (0, 1) (``ceil(size x rows)`` rows) or a whole number of rows >= 1; 0: no hold-out. The rows are
+    a seeded permutation's first ones (``split_validation_seed``), the same rows as NeMo-RL's
+    ``train_test_split``; they never enter training."""
+    split_validation_seed: int | None = Field(default=None, ge=0)
+    """Seed of the ``split_validation_size`` hold-out; default ``grpo.seed`` (NeMo-RL ``data.train.seed``)."""
     input_key: str = Field(default="input", min_length=1)
-    """Column holding the prompt text (ignored for rows that have a ``messages`` column of chat turns)."""
+    """Column holding the prompt text (ignored for rows that have a ``messages`` column of chat turns). A dotted
+    path reads into nested columns when no column has that exact name: ``prompt.0.content`` is
+    ``row["prompt"][0]["content"]``."""
     output_key: str = Field(default="output", min_length=1)
-    """Column holding the reference answer; it reaches the reward function as ``task["answer"]``."""
+    """Column holding the reference answer; it reaches the reward function as ``task["answer"]``. A dotted path
+    reads into nested columns, as for ``input_key`` (``reward_model.ground_truth``)."""
+    task_columns: list[str] | None = None
+    """The other columns that reach the reward function as task metadata; None: every column but the prompt's
+    and the answer's; ``[]``: none (a large column that the reward does not read stays out of the wire)."""
     messages_key: str = Field(default="messages", min_length=1)
     """Column holding chat turns (a list of ``{role, content}``); when present it is the prompt."""
     prompt_file: str | None = None
@@ -39,7 +64,9 @@ class DataConfig(ConfigModel):
     """A text file whose content becomes the system turn of every prompt."""
     max_input_seq_length: int | None = Field(default=None, ge=1)
     """Prompts longer than this many tokens (after the chat template) are dropped and counted, never
-    truncated; default: ``policy.max_total_sequence_length - policy.generation.max_new_tokens``."""
+    truncated; must be < ``policy.max_total_sequence_length``. Default: ``policy.max_total_sequence_length -
+    policy.generation.max_new_tokens`` (``max_total_sequence_length - 1`` when that is 0). An answer gets
+    ``min(max_new_tokens, max_total_sequence_length - prompt length)`` tokens, as in NeMo-RL."""
     shuffle: bool = True
     """Shuffle the training rows each epoch (seeded by ``grpo.seed`` and the epoch)."""
     skip_invalid_rows: bool = False
@@ -48,6 +75,30 @@ class DataConfig(ConfigModel):
     env_name: str | None = None
     """Which ``env.<name>`` section scores these rows; default: the only named section if there is exactly one,
     else ``env.reward_fn``."""
+
+    @model_validator(mode="after")
+    def _hub_and_split(self):
+        for split_key, path_key in (("train_split", "train_data_path"), ("val_split", "val_data_path")):
+            path = getattr(self, path_key)
+            if getattr(self, split_key) is not None and not (path or "").startswith(HUB_PREFIX):
+                raise ValueError(f"{split_key}: only for a Hugging Face Hub {path_key} ({HUB_PREFIX}<owner>/<name>), "
+                                 f"got {path_key}={path!r}")
+            if path is not None and path.startswith(HUB_PREFIX):
+                hub_id(path, path_key)
+        size = self.split_validation_size
+        if size >= 1 and not float(size).is_integer():
+            raise ValueError(f"split_validation_size ({size}): expected a fraction in (0, 1) or a whole number of "
+                             f"rows")
+        return self
+
+
+def hub_id(path: str, key: str = "data.train_data_path") -> str:
+    """The Hub repository id of an ``hf://<owner>/<name>`` path; ``ValueError`` naming ``key`` otherwise."""
+    repo = path[len(HUB_PREFIX):]
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{key} ({path!r}): expected {HUB_PREFIX}<owner>/<name>, a Hugging Face Hub dataset id")
+    return repo
 
 
 def check_reward_name(key: str, name: str) -> None:
@@ -63,8 +114,8 @@ class RewardFunctionSpec(ConfigModel):
     """One entry of ``env.<name>.reward_functions``."""
 
     name: str = Field(min_length=1, max_length=512)
-    """A registered reward function (``math_verify``, ``math_exact``, ``format``, ``repeat_letter``) or your own as
-    ``package.module:function`` / ``/path/to/file.py:function``."""
+    """A registered reward function (``math_verify``, ``dapo_math_verify``, ``math_exact``, ``format``,
+    ``repeat_letter``) or your own as ``package.module:function`` / ``/path/to/file.py:function``."""
     weight: float = Field(default=1.0, gt=0.0, le=1000.0)
     """Weight of this function in the sample's reward (the weighted sum of every function's value)."""
 
@@ -86,11 +137,17 @@ class RewardEnvConfig(ConfigModel):
     killed (and replaced) and its sample fails with the reason."""
     timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     """Deadline for scoring one sample with one reward function."""
-    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
-    """NeMo-RL's key; Inflight's ``math_verify`` is Hugging Face Math-Verify."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """What ``math_verify`` in ``reward_functions`` is (NeMo-RL's key): ``hf_math_verify``, Hugging Face
+    Math-Verify; ``dapo_math_verify``, DAPO's answer check (the last ``Answer: ...`` line, normalised, equals the
+    normalised reference), i.e. the entry becomes ``dapo_math_verify``."""
 
     @model_validator(mode="after")
     def _names(self):
+        impl = MATH_VERIFY_IMPLS[self.math_verify_impl]
+        if impl != "math_verify" and any(f.name == "math_verify" for f in self.reward_functions):
+            self.reward_functions = [f.model_copy(update={"name": impl}) if f.name == "math_verify" else f
+                                     for f in self.reward_functions]
         names = [f.name for f in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"reward_functions: each function at most once, got {names}")

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 def check_recipe(recipe: Recipe) -> None:
     """Raise ``ValueError`` naming the keys of the first contradiction; fill ``lr_decay_steps``' default."""
     p, g = recipe.policy, recipe.policy.generation
-    if g.max_new_tokens >= p.max_total_sequence_length:
-        raise ValueError(f"policy.generation.max_new_tokens ({g.max_new_tokens}) must be < "
+    if g.max_new_tokens > p.max_total_sequence_length:
+        raise ValueError(f"policy.generation.max_new_tokens ({g.max_new_tokens}) must be <= "
                          f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
     if p.sequence_packing.enabled and p.sequence_packing.train_mb_tokens < p.max_total_sequence_length:
         raise ValueError(f"policy.sequence_packing.train_mb_tokens ({p.sequence_packing.train_mb_tokens}) must "
@@ -51,6 +51,10 @@ def _check_data(recipe: Recipe) -> None:
     if p.train_global_batch_size is not None and batch % p.train_global_batch_size:
         raise ValueError(f"policy.train_global_batch_size ({p.train_global_batch_size}) must divide the rollout batch "
                          f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt ({batch})")
+    if recipe.loss_fn.force_on_policy_ratio and p.train_global_batch_size not in (None, batch):
+        raise ValueError(f"loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch: "
+                         f"policy.train_global_batch_size ({p.train_global_batch_size}) must be None or "
+                         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt ({batch})")
     if d.train_data_path is not None and d.dataset_name is not None:
         raise ValueError(f"data.train_data_path ({d.train_data_path!r}) and data.dataset_name ({d.dataset_name!r}): "
                          f"give one of them")
@@ -59,12 +63,19 @@ def _check_data(recipe: Recipe) -> None:
     if d.val_data_path is not None and d.train_data_path is None:
         raise ValueError("data.val_data_path needs data.train_data_path (a built-in data set validates on its own "
                          "prompts drawn with another seed)")
+    if d.split_validation_size > 0 and d.train_data_path is None:
+        raise ValueError(f"data.split_validation_size ({d.split_validation_size:g}) holds out rows of "
+                         f"data.train_data_path, which is not set")
+    if d.split_validation_size > 0 and d.val_data_path is not None:
+        raise ValueError(f"data.split_validation_size ({d.split_validation_size:g}) and data.val_data_path "
+                         f"({d.val_data_path!r}): give one validation set")
     room = p.max_total_sequence_length - p.generation.max_new_tokens
     if d.max_input_seq_length is None:
-        d.max_input_seq_length = room
-    elif d.max_input_seq_length > room:
-        raise ValueError(f"data.max_input_seq_length ({d.max_input_seq_length}) must be <= "
-                         f"policy.max_total_sequence_length - policy.generation.max_new_tokens ({room})")
+        d.max_input_seq_length = room if room > 0 else p.max_total_sequence_length - 1
+    elif d.max_input_seq_length >= p.max_total_sequence_length:
+        raise ValueError(f"data.max_input_seq_length ({d.max_input_seq_length}) must be < "
+                         f"policy.max_total_sequence_length ({p.max_total_sequence_length}): a prompt must leave "
+                         f"room for at least one answer token")
     named = recipe.env.named
     if d.env_name is not None and d.env_name not in named:
         raise ValueError(f"data.env_name ({d.env_name!r}): no section env.{d.env_name} "
@@ -78,9 +89,9 @@ def _check_data(recipe: Recipe) -> None:
         raise ValueError(f"env.{unused[0]}: a section no data.env_name names")
     metric = recipe.checkpointing.metric_name
     validates = g.val_period > 0 or g.val_at_start
-    if validates and d.train_data_path is not None and d.val_data_path is None:
+    if validates and d.train_data_path is not None and d.val_data_path is None and not d.split_validation_size:
         raise ValueError("grpo.val_period / grpo.val_at_start: validation of data.train_data_path needs "
-                         "data.val_data_path")
+                         "data.val_data_path or data.split_validation_size")
     if metric is not None and metric.startswith("val_") and not validates:
         raise ValueError(f"checkpointing.metric_name ({metric!r}) is a validation metric: set grpo.val_period > 0")
 

@@ -1,29 +1,38 @@
 """Rows of ``data.train_data_path`` / ``data.val_data_path`` read through Hugging Face ``datasets`` (memory-mapped
 Arrow: only the rows drawn are turned into Python objects), and the mapping of one row to a prompt.
 
-A path is a JSONL (``.jsonl``/``.json``), Parquet or CSV file, a glob of such files (one format), or a directory
-written by ``datasets.Dataset.save_to_disk``. Row ``i`` of :class:`Rows` is row ``i`` of the files in sorted order;
-errors name the file and the row within it (0-based).
+A path is a JSONL (``.jsonl``/``.json``), Parquet or CSV file, a glob of such files (one format), a directory
+written by ``datasets.Dataset.save_to_disk``, or a Hugging Face Hub dataset ``hf://<owner>/<name>`` (one split,
+``datasets.load_dataset`` at run time; without the Hub or a cached copy it fails, naming the dataset). Row ``i`` of
+:class:`Rows` is row ``i`` of the files in sorted order; errors name the file and the row within it (0-based).
+:func:`split_rows` holds out a seeded share of the rows (``data.split_validation_size``): both parts keep the
+file's row numbers.
+
+``data.input_key`` / ``output_key`` name a column, or a dotted path into nested ones (``prompt.0.content``).
 
 The task a reward function sees (``PromptRequest.task``, whose values the protocol limits to strings and finite
 numbers): ``answer`` is ``data.output_key``'s value as a string (an integral float such as ``12.0``, which CSV
 columns with gaps produce, becomes ``"12"``); every other column is metadata, converted as follows: strings,
 ints and finite floats as they are; ``bool`` -> ``0``/``1``; ``None``, NaN and infinities -> the key is left out;
 lists and dicts -> a JSON string; anything else -> ``str(value)``. A metadata column named ``answer`` is replaced
-by the reference. A string over ``protocol.fields.MAX_STRING_CHARS`` makes the row invalid.
+by the reference (``data.task_columns``, when set, names the metadata columns kept). A string over
+``protocol.fields.MAX_STRING_CHARS`` makes the row invalid.
 """
 from __future__ import annotations
 
 import glob
 import json
 import math
+import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from protocol.fields import MAX_STRING_CHARS
-from services.config_data import DataConfig
+from services.config_data import HUB_PREFIX, DataConfig, hub_id
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> ``datasets`` builder."""
@@ -51,27 +60,81 @@ class Rows:
     files: list[str]
     starts: list[int] = field(default_factory=list)
     """First row of each file (one entry per file; a ``save_to_disk`` directory counts as one file)."""
+    indices: np.ndarray | None = None
+    """The rows of ``dataset`` this set is, in this order (a :func:`split_rows` part); None: all, in order."""
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset) if self.indices is None else len(self.indices)
 
     @property
     def columns(self) -> list[str]:
         return list(self.dataset.column_names)
 
+    def source_row(self, i: int) -> int:
+        """Row ``i`` of this set as a row of the whole data (ids and messages use it)."""
+        return int(i) if self.indices is None else int(self.indices[i])
+
     def row(self, i: int) -> dict:
-        return self.dataset[int(i)]
+        return self.dataset[self.source_row(i)]
 
     def where(self, i: int) -> str:
-        k = bisect_right(self.starts, i) - 1
-        return f"{self.files[k]} row {i - self.starts[k]}"
+        j = self.source_row(i)
+        k = bisect_right(self.starts, j) - 1
+        return f"{self.files[k]} row {j - self.starts[k]}"
 
 
-def load_rows(path: str, key: str = "data.train_data_path", cache_dir: str | None = None) -> Rows:
-    """The rows at ``path`` (see the module docstring); ``key`` names the setting in errors; ``cache_dir``: where
-    ``datasets`` keeps the Arrow files it converts JSONL/CSV/Parquet into (default: its own cache)."""
+def split_rows(rows: Rows, size: float, seed: int) -> tuple[Rows, Rows]:
+    """``(train, held_out)``: ``size`` (a fraction in (0, 1): ``ceil(size x n)`` rows, or a whole number of rows)
+    of ``rows`` held out, chosen as the first of ``numpy.random.default_rng(seed).permutation(n)`` and the rest in
+    that order; the split of ``datasets.Dataset.train_test_split(test_size=size, seed=seed)``, which NeMo-RL's
+    ``split_validation_size`` uses. No row is in both."""
+    n = len(rows)
+    n_test = math.ceil(size * n) if size < 1 else int(size)
+    if not 0 < n_test < n:
+        raise DataError(f"data.split_validation_size ({size:g}) of {rows.path!r}: {n_test} of its {n} rows held out "
+                        f"for validation, expected at least 1 and fewer than all")
+    base = np.arange(n) if rows.indices is None else rows.indices
+    perm = base[np.random.default_rng(seed).permutation(n)]
+    return Rows(rows.path, rows.dataset, rows.files, rows.starts, perm[n_test:]), \
+        Rows(rows.path, rows.dataset, rows.files, rows.starts, perm[:n_test])
+
+
+def load_hub_rows(path: str, split: str | None, key: str, cache_dir: str | None = None) -> Rows:
+    """The rows of split ``split`` (default ``train``) of the Hub dataset ``hf://<owner>/<name>``. Without network
+    the datasets cache must hold it; a miss is a :class:`DataError` that names the dataset and says so."""
     import datasets
 
+    repo, split = hub_id(path, key), split or "train"
+    try:
+        ds = datasets.load_dataset(repo, split=split, cache_dir=cache_dir)
+    except ConnectionError as e:
+        offline = " (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set, so only the cache is read)" \
+            if _offline() else ""
+        raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}) could not be loaded: "
+                        f"{e}. It is read from the Hub when the run starts: it needs network access to the Hub, or "
+                        f"a copy in the datasets cache (HF_DATASETS_CACHE, default under HF_HOME){offline}") from e
+    except Exception as e:  # noqa: BLE001 - a wrong split or a broken dataset: say which dataset it was
+        raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}): "
+                        f"{type(e).__name__}: {e}") from e
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"{key} {path!r}: expected one split of {repo!r}, got {type(ds).__name__}")
+    return Rows(path, ds, [f"{path} split {split}"], [0])
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in
+               ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+def load_rows(path: str, key: str = "data.train_data_path", cache_dir: str | None = None,
+              split: str | None = None) -> Rows:
+    """The rows at ``path`` (see the module docstring); ``key`` names the setting in errors; ``cache_dir``: where
+    ``datasets`` keeps the Arrow files it converts JSONL/CSV/Parquet into (default: its own cache); ``split``: of an
+    ``hf://`` path."""
+    import datasets
+
+    if path.startswith(HUB_PREFIX):
+        return load_hub_rows(path, split, key, cache_dir)
     p = Path(path).expanduser()
     if p.is_dir():
         ds = datasets.load_from_disk(str(p))
@@ -108,31 +171,37 @@ class MappedRow:
 
 @dataclass(frozen=True)
 class RowMapper:
-    """``data.input_key`` / ``output_key`` / ``messages_key`` applied to one row."""
+    """``data.input_key`` / ``output_key`` / ``messages_key`` / ``task_columns`` applied to one row."""
 
     input_key: str
     output_key: str
     messages_key: str
+    task_columns: tuple[str, ...] | None = None
+    """Metadata columns kept (None: all but the prompt's and the answer's)."""
 
     @classmethod
     def of(cls, d: DataConfig) -> RowMapper:
-        return cls(d.input_key, d.output_key, d.messages_key)
+        cols = None if d.task_columns is None else tuple(d.task_columns)
+        return cls(d.input_key, d.output_key, d.messages_key, cols)
 
     def check_columns(self, rows: Rows, key: str) -> None:
         """Fail at once when no row can have a prompt or an answer (the column is absent from the whole file)."""
         cols = rows.columns
-        if self.input_key not in cols and self.messages_key not in cols:
+        if _column(self.input_key, cols) not in cols and self.messages_key not in cols:
             raise DataError(f"{key} {rows.path!r}: no column {self.input_key!r} (data.input_key) or "
                             f"{self.messages_key!r} (data.messages_key); columns: {cols}")
-        if self.output_key not in cols:
+        if _column(self.output_key, cols) not in cols:
             raise DataError(f"{key} {rows.path!r}: no column {self.output_key!r} (data.output_key); columns: {cols}")
+        missing = [c for c in self.task_columns or () if c not in cols]
+        if missing:
+            raise DataError(f"{key} {rows.path!r}: no column {missing[0]!r} (data.task_columns); columns: {cols}")
 
     def map(self, row: dict) -> MappedRow:
         """The prompt and task of ``row``; raises :class:`InvalidRow` naming the key."""
         turns = _turns(row.get(self.messages_key), self.messages_key)
         text = None
         if turns is None:
-            text = row.get(self.input_key)
+            text = lookup(row, self.input_key)
             if text is None:
                 raise InvalidRow(self.input_key, f"missing (and no {self.messages_key!r} chat turns)")
             if not isinstance(text, str):
@@ -140,14 +209,36 @@ class RowMapper:
             if not text.strip():
                 raise InvalidRow(self.input_key, "empty prompt")
         task = {}
-        for k, v in row.items():
-            if k in (self.input_key, self.messages_key, self.output_key):
+        skip = {_column(self.input_key, row), self.messages_key, _column(self.output_key, row)}
+        for k in (row if self.task_columns is None else self.task_columns):
+            if k in skip:
                 continue
-            value = metadata_value(v, k)
+            value = metadata_value(row.get(k), k)
             if value is not None:
                 task[k] = value
-        task["answer"] = _answer(row.get(self.output_key), self.output_key)
+        task["answer"] = _answer(lookup(row, self.output_key), self.output_key)
         return MappedRow(text, turns, task)
+
+
+def _column(key: str, columns) -> str:
+    """The column ``key`` reads: itself when a column has that name, else the first part of its dotted path."""
+    return key if key in columns else key.split(".", 1)[0]
+
+
+def lookup(row: dict, key: str) -> Any:
+    """``row[key]``, or for a dotted path with no such column the nested value (``prompt.0.content`` is
+    ``row["prompt"][0]["content"]``; a part that is a digit indexes a list); None when any part is missing."""
+    if key in row or "." not in key:
+        return row.get(key)
+    node: Any = row
+    for part in key.split("."):
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _turns(v: Any, key: str) -> list[dict[str, str]] | None:

@@ -270,3 +270,26 @@ def test_gpu_only_options_are_reported_ignored_on_cpu(harness):
     harness.run(harness.engine.sleep())
     harness.run(harness.engine.wake_up())
     assert harness.engine.stats()["sleeps_skipped_on_cpu"] >= 1
+
+
+def test_an_answer_budget_of_the_whole_context_is_capped_by_the_prompt(harness):
+    """NeMo-RL's recipes set max_new_tokens = the context: an answer gets min(max_new_tokens, context - prompt)."""
+    from protocol.messages import PromptRequest
+
+    engine = harness.engine
+    gen, context = engine.generation, engine.max_model_len
+    old = gen.max_new_tokens
+    base = prompts(harness, 1)[0]
+    long_ids = np.resize(base.prompt_ids, context - 12)
+    gen.max_new_tokens = context
+    try:
+        group = harness.run(engine.generate_group(PromptRequest("long", long_ids, dict(base.task)), GROUP_SIZE))
+        full = harness.run(engine.generate_group(PromptRequest("full", np.resize(base.prompt_ids, context),
+                                                               dict(base.task)), 2))
+    finally:
+        gen.max_new_tokens = old
+    assert all(t.ok for t in group.trajectories), [t.error for t in group.trajectories]
+    lengths = [t.response_ids.size for t in group.trajectories]
+    assert max(lengths) == 12 and all(0 < n <= 12 for n in lengths), lengths
+    assert all(t.finish_reason == "length" for t in group.trajectories if t.response_ids.size == 12)
+    assert all(not t.ok and "leaves no room for an answer" in t.error for t in full.trajectories)
