@@ -5,9 +5,13 @@
     inflight pool status [--name N]
     inflight pool shutdown [--name N] [--stop-cluster]
     inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]
-    inflight validate --recipe PATH [key=value ...]
+    inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
     inflight export --run-dir DIR [--step N] --out HF_DIR [--recipe PATH] [key=value ...]
-    inflight make-tiny-model DIR [--seed N] [--arch qwen2|llama|qwen3_moe] [--size tiny|small|0.6b]
+    inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral]
+                                 [--tie-word-embeddings] [--size tiny|small|0.6b]
+
+A NeMo-RL GRPO recipe is accepted as it is (docs/nemo_rl.md): the keys that have no meaning here are listed once
+on stderr, with why, before the command runs.
 
 User errors (bad recipe, bad arguments, a cluster that refuses the connection) print one line and exit 2; a
 pool that does not start prints its reason in one line and exits 1; no traceback.
@@ -20,7 +24,7 @@ import sys
 from pathlib import Path
 
 from services.cluster_auth import ClusterConnectError
-from services.config import Recipe, RecipeError, load_recipe, recipe_to_yaml
+from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 from services.pool.startup import PoolStartError
 
 EXIT_USER_ERROR = 2
@@ -28,19 +32,39 @@ EXIT_FAILED = 1
 
 
 def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
-    return load_recipe(args.recipe, list(args.overrides) + (extra or []))
+    """The recipe of ``--recipe`` with the overrides; the keys its translation ignored (a NeMo-RL recipe's) are
+    listed once on stderr, with why."""
+    recipe, report = load_recipe_with_report(args.recipe, list(args.overrides) + (extra or []))
+    if report.ignored:
+        print(f"inflight: {len(report.ignored)} recipe keys have no meaning here:\n{report.summary()}", file=sys.stderr)
+    return recipe
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    sys.stdout.write(recipe_to_yaml(_recipe(args)))
+    recipe = _recipe(args)
+    model = _check_model(recipe.policy.model_name)
+    sys.stdout.write(recipe_to_yaml(recipe))
+    print(f"inflight: policy.model_name: {model}", file=sys.stderr)
     return 0
+
+
+def _check_model(model_name: str) -> str:
+    """The model's family in one line; an unsupported model is a user error (exit 2)."""
+    from services.model_source import check_model
+
+    try:
+        return check_model(model_name)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from services.tiny_model import make_tiny_model
 
-    out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, size=args.size, dtype=args.dtype)
-    print(f"wrote {args.arch}/{args.size} (seed {args.seed}) to {out}")
+    out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, size=args.size, dtype=args.dtype,
+                          tie_word_embeddings=args.tie_word_embeddings)
+    tied = ", tied embeddings" if args.tie_word_embeddings else ""
+    print(f"wrote {args.arch}/{args.size} (seed {args.seed}{tied}) to {out}")
     return 0
 
 
@@ -166,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--arch", choices=ARCHS, default="qwen2")
+    t.add_argument("--arch", choices=ARCHS, default="qwen2",
+                   help="model family (llama: Llama 2 layout, llama3: with Llama 3.x RoPE scaling)")
+    t.add_argument("--tie-word-embeddings", action="store_true",
+                   help="share the embedding with the output layer (as Qwen2.5-0.5B/1.5B)")
     t.add_argument("--size", choices=tuple(SIZES), default="tiny")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     t.set_defaults(func=_cmd_make_tiny_model)

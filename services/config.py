@@ -1,40 +1,40 @@
 """The recipe: one typed model per concern, loaded from YAML.
 
-A recipe file may name ``defaults: other.yaml`` (a path relative to it, or a
-list of them) whose keys it overrides; command-line ``key.path=value``
-overrides apply last (values parsed as YAML). Every error — unreadable YAML,
-unknown key (with a "did you mean"), wrong type, out of bounds, contradictory
-settings — becomes a :class:`RecipeError` naming the key path.
+A recipe file is read by :mod:`services.recipe_files` (``defaults:`` chains,
+``_override_``, command-line ``key.path=value`` overrides, ``${...}``
+interpolation and NeMo-RL's resolvers), translated key by key by
+:mod:`services.nemo_rl` (a NeMo-RL recipe's keys become Inflight's or are
+listed as ignored with the reason; an Inflight recipe's keys pass as they are),
+then validated here. Every error — unreadable YAML, unknown key (with a "did
+you mean"), wrong type, out of bounds, contradictory settings, a NeMo-RL
+setting Inflight cannot honour — becomes a :class:`RecipeError` naming the key.
 """
 from __future__ import annotations
 
 import difflib
 import os
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from learner.config import LossConfig, MegatronConfig, RewardScalingConfig, RewardShapingConfig, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
 from services.config_checkpoints import CheckpointingConfig
-from services.config_data import DataConfig, EnvConfig
+from services.config_data import DataConfig, EnvConfig, RewardEnvConfig
 from services.config_logging import LoggerConfig
 from services.gpu_layout import check_gpu_layout
+from services.recipe_files import RecipeError, read_recipe
 from services.recipe_rules import check_recipe
 
+if TYPE_CHECKING:
+    from services.nemo_rl.rules import TranslationReport
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class RecipeError(ValueError):
-    """A recipe could not be loaded; ``path`` is the dotted key path."""
-
-    def __init__(self, path: str, reason: str):
-        self.path = path
-        self.reason = reason
-        super().__init__(f"{path}: {reason}" if path else reason)
+__all__ = ["RECIPES_DIR", "Recipe", "RecipeError", "load_recipe", "load_recipe_with_report", "recipe_to_yaml"]
 
 
 class AsyncGrpoConfig(ConfigModel):
@@ -83,6 +83,10 @@ class GrpoConfig(ConfigModel):
     overlong_filtering: bool = False
     """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
     out of the loss."""
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    """Linear map of the rewards with clamping (DAPO: {0, 1} -> {-1, 1}), before shaping and advantages."""
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    """DAPO's overlong penalty (or a factor for truncated answers), after scaling, before advantages."""
     val_period: int = Field(default=0, ge=0)
     """Validate every N steps (0: never)."""
     val_at_start: bool = False
@@ -223,67 +227,31 @@ class Recipe(ConfigModel):
 
 # ---------------------------------------------------------------- loading
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def _section(ann: Any) -> type[ConfigModel] | None:
+    """The model a field holds (``X`` or ``X | None``), or None for a plain value."""
+    for a in (ann, *typing.get_args(ann)):
+        if isinstance(a, type) and issubclass(a, ConfigModel):
+            return a
+    return None
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    path = path.resolve()
-    if path in seen:
-        raise RecipeError("defaults", f"cycle: {' -> '.join(str(p) for p in seen + (path,))}")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RecipeError("", f"cannot read recipe {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise RecipeError("", f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise RecipeError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    defaults = data.pop("defaults", None)
-    if defaults is None:
-        return data
-    names = [defaults] if isinstance(defaults, str) else defaults
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise RecipeError("defaults", f"expected a file name or a list of them, got {defaults!r}")
-    merged: dict = {}
-    for n in names:
-        merged = _merge(merged, _read_yaml(path.parent / n, seen + (path,)))
-    return _merge(merged, data)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise RecipeError(text, "an override must look like key.path=value")
-    key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise RecipeError(key, "empty key segment in override")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    data = _merge({}, data)
-    for text in overrides:
-        parts, value = parse_override(text)
-        node = data
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            elif not isinstance(nxt, dict):
-                raise RecipeError(".".join(parts[:i + 1]), f"is a value ({nxt!r}), cannot set a key under it")
-            node = nxt
-        node[parts[-1]] = value
-    return data
+def is_recipe_key(path: str) -> bool:
+    """Whether the dotted ``path`` is a key of the recipe schema (a field, a section, an ``env.<name>`` section or
+    a key inside a mapping-valued field such as ``cluster.engine_resources``)."""
+    model: type[ConfigModel] = Recipe
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None and model is EnvConfig:
+            sub: type[ConfigModel] | None = RewardEnvConfig
+        elif field is None:
+            return False
+        else:
+            sub = _section(field.annotation)
+            if sub is None:
+                return i == len(parts) - 1 or typing.get_origin(field.annotation) is dict
+        model = sub
+    return True
 
 
 def _model_at(path: tuple) -> type[ConfigModel] | None:
@@ -302,15 +270,14 @@ def _model_at(path: tuple) -> type[ConfigModel] | None:
 
 
 REMOVED_KEYS = {
-    "policy.train_micro_batch_size": "no code read it; with policy.sequence_packing.enabled=false every sequence is "
-                                     "a micro-batch of its own, with packing a micro-batch holds up to "
-                                     "policy.sequence_packing.train_mb_tokens tokens",
     "env.task": "the built-in prompt sets are data.dataset_name (repeat_letter, arithmetic)",
     "env.num_prompts": "the size of a built-in prompt set is data.num_prompts",
     "rollout_pool.gpus_per_engine": "an engine takes policy.generation.vllm_cfg.tensor_parallel_size x "
                                     "pipeline_parallel_size GPUs; set those instead",
 }
-"""Keys recipes used to accept, with what to write instead (shown when a recipe still names one)."""
+"""Keys recipes used to accept, with what to write instead (shown when a recipe still names one).
+``policy.train_micro_batch_size``, removed too, is NeMo-RL's: it is listed as ignored with the same hint
+(:mod:`services.nemo_rl.table_policy`)."""
 
 
 def _reject_removed(data: dict) -> None:
@@ -346,16 +313,34 @@ def _explain(err: ValidationError) -> RecipeError:
     return RecipeError(path, msg)
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) and apply overrides."""
-    path = Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml"
-    data = apply_overrides(_read_yaml(path), overrides or [])
+def load_recipe_with_report(path: str | os.PathLike | None = None, overrides: list[str] | None = None
+                            ) -> tuple[Recipe, TranslationReport]:
+    """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) with ``overrides``; returns it and the report of
+    what the translation kept, mapped and ignored (``report.summary()`` lists the ignored keys and why)."""
+    from services.nemo_rl.rules import TranslationError, translate
+    from services.nemo_rl.table import TABLE
+
+    data = read_recipe(Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml", overrides)
     _reject_removed(data)
     try:
-        return Recipe.model_validate(data)
+        translated, report = translate(data, TABLE, is_recipe_key)
+    except TranslationError as err:
+        raise RecipeError(err.path, err.reason) from None
+    try:
+        return Recipe.model_validate(translated), report
     except ValidationError as err:
-        raise _explain(err) from None
+        explained = _explain(err)
+        sources = sorted({m.source for m in report.mapped if m.target == explained.path})
+        if sources:
+            raise RecipeError(explained.path, f"{explained.reason} (set from {', '.join(sources)})") from None
+        raise explained from None
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) and apply overrides."""
+    return load_recipe_with_report(path, overrides)[0]
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
+    """The recipe as Inflight keys (every field, defaults included): what a run directory keeps as recipe.yaml."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

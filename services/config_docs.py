@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import types
 import typing
+from pathlib import Path
 
 from pydantic.fields import FieldInfo
 
@@ -25,7 +26,8 @@ Unknown keys are errors with a "did you mean"; values are type- and bounds-check
 cross-field rules (below the tables) reject contradictory settings. A recipe may start with
 `defaults: base.yaml` (or a list) to inherit; command-line overrides `key.path=value` apply last
 (values are parsed as YAML: `true`, `1e-4`, `[a, b]`). Names follow NeMo-RL where the concept is
-the same, so recipes port over.
+the same, and a NeMo-RL GRPO recipe loads as it is: its keys are translated, each kept, mapped or
+listed as ignored with the reason (docs/nemo_rl.md; counts for NeMo-RL's own recipes at the end).
 
     inflight validate --recipe recipes/tiny-cpu.yaml grpo.async_grpo.enabled=false
 
@@ -35,7 +37,8 @@ the same, so recipes port over.
 RULES = """
 ## Cross-field rules
 
-- `policy.generation.max_new_tokens < policy.max_total_sequence_length`
+- `policy.generation.max_new_tokens <= policy.max_total_sequence_length` (an answer gets
+  `min(max_new_tokens, max_total_sequence_length - prompt length)` tokens)
 - `policy.sequence_packing.train_mb_tokens >= policy.max_total_sequence_length` (when packing is on)
 - `grpo.async_grpo.enabled` requires `policy.generation.colocated.enabled: false` and
   `loss_fn.use_importance_sampling_correction: true`
@@ -56,19 +59,57 @@ RULES = """
 - `policy.train_global_batch_size` divides `grpo.num_prompts_per_step x grpo.num_generations_per_prompt`
 - `data.train_data_path` or `data.dataset_name`, not both (neither: `dataset_name: repeat_letter`);
   `data.val_data_path` needs `data.train_data_path`, and validating (`grpo.val_period > 0` or
-  `grpo.val_at_start`) a `train_data_path` needs `val_data_path`
-- `data.max_input_seq_length` (default `policy.max_total_sequence_length - policy.generation.max_new_tokens`)
-  is at most that difference
+  `grpo.val_at_start`) a `train_data_path` needs `val_data_path` or `data.split_validation_size`;
+  `split_validation_size` needs `train_data_path` and excludes `val_data_path`; `data.train_split` /
+  `val_split` only with an `hf://` path
+- `data.max_input_seq_length < policy.max_total_sequence_length` (default `policy.max_total_sequence_length -
+  policy.generation.max_new_tokens`, or `- 1` when that is 0)
 - `data.env_name` names an `env.<name>` section (default: the only one); every `env.<name>` section is the
   one `data.env_name` names
 - `checkpointing.metric_name` of a validation metric (`val_*`) needs `grpo.val_period > 0` or
   `grpo.val_at_start`; `grpo.val_num_generations > 1` needs `grpo.val_temperature > 0`
 
 Removed keys (a recipe that still names one is rejected with what to write instead):
-`policy.train_micro_batch_size` (never read; packing or one sequence per micro-batch decides),
 `rollout_pool.gpus_per_engine` (an engine takes `vllm_cfg.tensor_parallel_size x pipeline_parallel_size` GPUs),
 `env.task` (now `data.dataset_name`) and `env.num_prompts` (now `data.num_prompts`).
+`policy.train_micro_batch_size`, removed too, is NeMo-RL's: it is listed as ignored (packing or one
+sequence per micro-batch decides the micro-batch).
 """
+
+NEMO_RL_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "nemo_rl"
+NEMO_RL_RECIPES = ("grpo_math_1B.yaml", "grpo_math_1B_megatron.yaml", "grpo_math_qwen30ba3b_megatron.yaml",
+                   "recipes/llm/dapo-qwen2.5-7b.v2.yaml",
+                   "recipes/llm/performance/grpo-llama3.1-8b-instruct-2n4g-async-1off.yaml",
+                   "vlm_grpo_3B_megatron.yaml")
+"""NeMo-RL's GRPO recipes (unmodified copies, tests/data/nemo_rl/NOTICE) whose translation is counted below."""
+
+
+def nemo_rl_counts() -> str:
+    """Per NeMo-RL recipe, what the translation does with its leaf keys (run now, not typed)."""
+    from services.config import is_recipe_key
+    from services.nemo_rl.rules import translate
+    from services.nemo_rl.table import TABLE
+    from services.recipe_files import read_recipe
+
+    rows = []
+    for name in NEMO_RL_RECIPES:
+        _, report = translate(read_recipe(NEMO_RL_DIR / name), TABLE, is_recipe_key, strict=False)
+        n = report.counts()
+        errors = ", ".join(f"`{k}`" for k in dict.fromkeys(e.path for e in report.errors)) or "—"
+        rows.append(f"| `{name}` | {n['leaves']} | {n['kept']} | {n['mapped']} | {n['ignored']} | {n['unknown']} | "
+                    f"{n['errors']} | {errors} |")
+    return (NEMO_RL_INTRO + "\n\n| recipe | leaf keys | kept | mapped | ignored | unknown | errors | error keys |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+NEMO_RL_INTRO = """
+## NeMo-RL recipes
+
+NeMo-RL's own GRPO recipes (commit 7ea279a, `tests/data/nemo_rl/`), translated as written (`policy.model_name`
+a hub id: the checks that read the model's `config.json` wait for a local directory and are counted as ignored).
+*kept*: an Inflight key of the same path and meaning; *mapped*: renamed or derived into Inflight keys; *ignored*:
+listed with the reason; *unknown*: no rule and no Inflight key (none may be left); *errors*: keys whose value
+Inflight cannot honour yet, and the key each error names (docs/nemo_rl.md, "What is not supported")."""
 
 
 def _type_name(field: FieldInfo) -> str:
@@ -133,6 +174,7 @@ def render() -> str:
 
     walk(Recipe, "")
     sections.append(RULES)
+    sections.append(nemo_rl_counts())
     return "\n".join(sections)
 
 

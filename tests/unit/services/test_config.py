@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import RECIPES_DIR, RecipeError, Recipe, load_recipe
+from services.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_recipe_with_report
 
 ALL_RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 
@@ -21,7 +21,8 @@ def test_async_seed_recipe_matches_the_seed():
     assert r.grpo.async_grpo.in_flight_weight_updates
     assert (r.grpo.num_prompts_per_step, r.grpo.num_generations_per_prompt) == (64, 16)
     p = r.policy
-    assert (p.max_total_sequence_length, p.generation.max_new_tokens, p.sequence_packing.train_mb_tokens) == (8192, 4096, 10240)
+    assert (p.max_total_sequence_length, p.generation.max_new_tokens,
+            p.sequence_packing.train_mb_tokens) == (8192, 4096, 10240)
     assert (p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.expert_model_parallel_size) == (1, 8)
     assert not p.megatron_cfg.activation_checkpointing
     v = p.generation.vllm_cfg
@@ -46,7 +47,8 @@ def test_overrides_are_typed_and_applied():
 
 @pytest.mark.parametrize("override, path, words", [
     ("grpo.num_generations_per_prompt=0", "grpo.num_generations_per_prompt", "greater than or equal to 2"),
-    ("grpo.num_generation_per_prompt=4", "grpo.num_generation_per_prompt", "did you mean 'grpo.num_generations_per_prompt'"),
+    ("grpo.num_generation_per_prompt=4", "grpo.num_generation_per_prompt",
+     "did you mean 'grpo.num_generations_per_prompt'"),
     ("policy.megatron_cfg.optimizer.lr=fast", "policy.megatron_cfg.optimizer.lr", "valid number"),
     ("loss_fn.ratio_clip_min=2", "loss_fn.ratio_clip_min", "less than or equal to 1"),
     ("policy.generation.temperature=0", "policy.generation", "temperature > 0"),
@@ -61,8 +63,10 @@ def test_bad_values_name_the_key(override, path, words):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["policy.generation.max_new_tokens=200"], "max_new_tokens (200) must be < policy.max_total_sequence_length"),
-    (["policy.sequence_packing.train_mb_tokens=64"], "train_mb_tokens (64) must be >= policy.max_total_sequence_length"),
+    (["policy.generation.max_new_tokens=200"], "max_new_tokens (200) must be <= policy.max_total_sequence_length"),
+    (["data.max_input_seq_length=128"], "data.max_input_seq_length (128) must be < policy.max_total_sequence_length"),
+    (["policy.sequence_packing.train_mb_tokens=64"],
+     "train_mb_tokens (64) must be >= policy.max_total_sequence_length"),
     (["policy.generation.colocated.enabled=true"], "requires policy.generation.colocated.enabled=false"),
     (["loss_fn.use_importance_sampling_correction=false"], "requires loss_fn.use_importance_sampling_correction"),
     (["cluster.gpus_per_node=4", "rollout_pool.num_engines=8"], "no GPUs left for the learner"),
@@ -119,7 +123,8 @@ def test_every_field_has_a_description():
 def test_configuration_reference_is_up_to_date():
     from services.config_docs import render
     doc = (RECIPES_DIR.parent / "docs" / "configuration.md").read_text()
-    assert doc == render(), "docs/configuration.md is stale: run `python -m services.config_docs > docs/configuration.md`"
+    assert doc == render(), ("docs/configuration.md is stale: run "
+                             "`python -m services.config_docs > docs/configuration.md`")
 
 
 def test_one_host_scale_downs_of_the_seed():
@@ -132,13 +137,35 @@ def test_one_host_scale_downs_of_the_seed():
 
 
 @pytest.mark.parametrize("override, instead", [
-    ("policy.train_micro_batch_size=2", "policy.sequence_packing.train_mb_tokens"),
     ("rollout_pool.gpus_per_engine=2", "tensor_parallel_size x pipeline_parallel_size"),
+    ("env.task=arithmetic", "data.dataset_name"),
 ])
 def test_removed_keys_are_errors_that_say_what_to_write_instead(override, instead):
     with pytest.raises(RecipeError) as err:
         load_recipe(None, [override])
     assert err.value.path == override.split("=")[0] and "removed key" in str(err.value) and instead in str(err.value)
+
+
+def test_train_micro_batch_size_is_ignored_with_what_decides_the_micro_batch():
+    """Removed from Inflight, but every NeMo-RL recipe has it (memory/speed only there too): it is listed as
+    ignored, with the same hint, instead of failing the recipe."""
+    _, report = load_recipe_with_report(None, ["policy.train_micro_batch_size=2"])
+    [item] = report.ignored
+    assert item.source == "policy.train_micro_batch_size" and "policy.sequence_packing.train_mb_tokens" in item.why
+
+
+def test_an_inflight_recipe_is_kept_as_it_is():
+    recipe, report = load_recipe_with_report(RECIPES_DIR / "grpo-32gpu-async-1off.yaml")
+    assert not report.ignored and not report.unknown and report.counts()["kept"] == report.counts()["leaves"] - len(
+        {m.source for m in report.mapped})
+    assert all(m.source == m.target for m in report.mapped)  # identity rules only (e.g. stop_strings)
+
+
+def test_overrides_apply_before_interpolation_and_accept_hydra_prefixes(tmp_path: Path):
+    (tmp_path / "r.yaml").write_text("policy:\n  max_total_sequence_length: 512\n  sequence_packing:\n"
+                                     "    train_mb_tokens: ${mul:${policy.max_total_sequence_length}, 2}\n")
+    r = load_recipe(tmp_path / "r.yaml", ["++policy.max_total_sequence_length=8192"])
+    assert r.policy.sequence_packing.train_mb_tokens == 16384
 
 
 def test_gpus_per_engine_is_tensor_x_pipeline_parallel():
