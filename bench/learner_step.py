@@ -13,7 +13,7 @@ batch; π_prev then comes from an extra no-grad forward of the whole batch): ``t
 median step time, ``two_step_ratio`` = two_step_s / learner_step_s, ``prev_logprobs_s`` the median
 time of that extra forward and ``prev_logprobs_share`` its share of the two-step step.
 
-    python bench/learner_step.py [--arch qwen2] [--groups 8] [--group-size 8] [--steps 5]
+    python bench/learner_step.py [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral] [--groups 8] [--group-size 8] [--steps 5]
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from services.tiny_model import ARCHS
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe"])
+    ap.add_argument("--arch", default="qwen2", choices=list(ARCHS))
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)

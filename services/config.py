@@ -114,7 +114,8 @@ class PolicyConfig(ConfigModel):
     """``policy``: the model, its learner and its generation."""
 
     model_name: str = "tiny://qwen2"
-    """HF model directory, or ``tiny://ARCH[?seed=N&size=S]`` to build a random tiny model locally."""
+    """HF model directory, or ``tiny://ARCH[?seed=N&size=S&tie=1]`` to build a random tiny model locally (ARCH:
+    qwen2, qwen3, llama, llama3, qwen3_moe, mistral; tie=1 ties the embeddings, as Qwen2.5-0.5B/1.5B)."""
     max_total_sequence_length: int = Field(default=8192, ge=16)
     """Prompt + answer tokens of one sequence."""
     train_global_batch_size: int | None = Field(default=None, ge=1)

@@ -4,6 +4,7 @@ with a reason or an error naming it; what still blocks a recipe is listed in ``B
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -104,3 +105,22 @@ def test_the_vlm_recipe_fails_naming_its_image_data(models):
     with pytest.raises(RecipeError) as err:
         load_recipe_with_report(VLM.path, overrides(VLM, models))
     assert err.value.path == "data.default.processor"
+
+
+README_SECTION = "## Bring a NeMo-RL recipe and a model family"
+
+
+def test_the_readme_block_runs_as_written(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index(README_SECTION):], re.S)
+    assert block, f"README.md: no bash block under {README_SECTION!r}"
+    for name in (".venv", "tests"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for cmd in [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]:
+        done = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{cmd!r} failed:\n{done.stderr[-3000:]}"
+    assert "ignored: policy.dtensor_cfg" in done.stderr
+    assert yaml.safe_load(done.stdout)["policy"]["model_name"] == "models/tiny-qwen2"
+    assert (tmp_path / "models/tiny-qwen2/config.json").is_file()
