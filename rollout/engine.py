@@ -250,7 +250,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ helpers
     async def _bounded(self, awaitable: Awaitable[T], what: str) -> T:
-        return await bounded(awaitable, self.weight_update_timeout_s, what, self.engine_id)
+        return await bounded(awaitable, self.weight_update_timeout_s, what, self.engine_id, dead=self.dead_reason)
 
     def _require_started(self) -> Any:
         if self._llm is None:

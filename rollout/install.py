@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from protocol import WeightBucket, WeightManifest, decode
 from rollout.errors import EngineError, bounded
 from rollout.labels import VersionLabels
+from rollout.liveness import EngineDead, dead_reason
 from rollout.weight_receiver import (
     ExpectedParams,
     WeightUpdateError,
@@ -94,8 +95,10 @@ class Installer:
             raise EngineError(f"rollout engine {self.engine_id}: weights are inconsistent after a failed "
                               f"reload ({self.broken}); push a complete set of weights first")
 
-    async def _bounded(self, awaitable: Awaitable[T], what: str, seconds: float | None = None) -> T:
-        return await bounded(awaitable, self.timeout_s if seconds is None else seconds, what, self.engine_id)
+    async def _bounded(self, llm: Any, awaitable: Awaitable[T], what: str, seconds: float | None = None) -> T:
+        """Await a step of an install on ``llm`` within its deadline, abandoned as soon as ``llm``'s core dies."""
+        return await bounded(awaitable, self.timeout_s if seconds is None else seconds, what, self.engine_id,
+                             dead=lambda: dead_reason(llm))
 
     def _expected_params(self) -> ExpectedParams:
         if self.expected is None:
@@ -128,7 +131,7 @@ class Installer:
                          timeout_s: float) -> list[int]:
         """Have every worker join the learner's weight group (ranks ``rank_base ..``); returns their ranks."""
         async with self._lock:
-            return await self._bounded(llm.collective_rpc("inflight_join_weight_group",
+            return await self._bounded(llm, llm.collective_rpc("inflight_join_weight_group",
                                                           args=(host, port, rank_base, world_size, timeout_s)),
                                        f"joining the weight group at {host}:{port}", timeout_s + 30)
 
@@ -139,7 +142,7 @@ class Installer:
         async with self._lock:
             started = time.perf_counter()
             try:
-                encoded = await self._bounded(llm.collective_rpc("inflight_receive_weights"),
+                encoded = await self._bounded(llm, llm.collective_rpc("inflight_receive_weights"),
                                               "receiving a weight push from the weight group")
                 manifests = [decode(e, expect=WeightManifest) for e in encoded]
                 manifest = manifests[0]
@@ -149,7 +152,7 @@ class Installer:
             except Exception as exc:
                 self.stats.refit_rejected += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                await self._bounded(llm.collective_rpc("inflight_drop_received"), "dropping a rejected push")
+                await self._bounded(llm, llm.collective_rpc("inflight_drop_received"), "dropping a rejected push")
                 if isinstance(exc, WeightUpdateError):
                     raise
                 raise WeightUpdateError(f"rollout engine {self.engine_id}: weight push not received: "
@@ -174,19 +177,21 @@ class Installer:
         """Pause (``pause_mode``), ``await install()`` (the workers load their weights), reset the prefix
         cache, relabel, advance the version, and always resume; returns what ``install()`` returned."""
         paused_at = time.perf_counter()
-        await self._bounded(pause(llm, self.pause_mode, self.recompute_kv_cache_after_weight_updates,
+        await self._bounded(llm, pause(llm, self.pause_mode, self.recompute_kv_cache_after_weight_updates,
                                   settle=self.labels.streamed), "pause_generation before a weight update")
         try:
             if not await self.labels.drain(llm):
                 self.stats.version_drain_incomplete += 1
             try:
                 install_started = time.perf_counter()
-                installed = await self._bounded(install(), f"reload_weights of v{version}")
+                installed = await self._bounded(llm, install(), f"reload_weights of v{version}")
                 self.stats.install_seconds_last = time.perf_counter() - install_started
-                if not await self._bounded(llm.reset_prefix_cache(), "reset_prefix_cache"):
+                if not await self._bounded(llm, llm.reset_prefix_cache(), "reset_prefix_cache"):
                     # Blocks of running requests are still in use; new requests are salted by version instead.
                     self.stats.prefix_cache_reset_deferred += 1
-                await self._bounded(self.labels.set_label(llm, version), "update_weight_version")
+                await self._bounded(llm, self.labels.set_label(llm, version), "update_weight_version")
+            except EngineDead:
+                raise  # nothing of this engine will serve again: it is restarted, not marked broken
             except Exception as exc:
                 # The workers may hold a mix of old and new weights: refuse to sample until a push succeeds.
                 self.broken = f"installing v{version} failed: {type(exc).__name__}: {exc}"
@@ -197,7 +202,7 @@ class Installer:
             self.labels.mark_running(version)  # still paused: the running samples' counts are final for v-1
             self.broken = ""
         finally:
-            await self._bounded(llm.resume_generation(), "resume_generation after a weight update")
+            await self._bounded(llm, llm.resume_generation(), "resume_generation after a weight update")
             self.stats.pause_seconds_last = time.perf_counter() - paused_at
         return installed
 

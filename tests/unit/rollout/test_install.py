@@ -104,6 +104,29 @@ def test_a_hung_step_is_named_and_bounded():
     assert llm.calls[-1] == "resume"
 
 
+def test_a_pause_on_an_engine_whose_core_dies_is_abandoned_at_once_not_at_the_deadline():
+    """A push that meets a killed engine core: the hung pause ends within a poll, as EngineDead (the pool then
+    restarts the engine), not after the install deadline as a rejected push."""
+    import time
+
+    from rollout.liveness import EngineDead
+
+    class DyingLLM(FakeLLM):
+        errored = False
+
+        async def pause_generation(self, mode, clear_cache):
+            self.calls.append("pause")
+            self.errored = True  # the core died: vLLM's monitor marks the client errored; the pause never returns
+            await asyncio.sleep(30)
+
+    inst, llm = installer(timeout_s=20.0), DyingLLM()
+    started = time.monotonic()
+    with pytest.raises(EngineDead, match="pause_generation before a weight update abandoned: vLLM engine errored"):
+        asyncio.run(inst.install(llm, *push(3)))
+    assert time.monotonic() - started < 3.0
+    assert inst.version == 2 and not inst.broken
+
+
 def test_a_deferred_prefix_cache_reset_is_counted_and_streamed_labels_mark_running_samples():
     inst, llm = installer(engine_side=False), FakeLLM(reset_ok=False)
     running = inst.labels.open("r", 2)
