@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from learner.config import LossConfig
-from protocol.config_base import ConfigModel
-from services.config import GrpoConfig, Recipe
+from services.config import GrpoConfig, is_recipe_key
 from services.nemo_rl.rules import TranslationError, find_rule, leaves, translate
 from services.nemo_rl.table_algorithm import ALGORITHM_RULES, SAME_MEANING
 from services.recipe_files import read_recipe
@@ -21,14 +20,7 @@ FIXTURES = sorted(p.relative_to(DATA).as_posix() for p in DATA.rglob("*.yaml"))
 SECTIONS = ("grpo", "loss_fn")
 
 
-def is_inflight_key(path: str) -> bool:
-    """Whether ``path`` is a leaf (or sub-model) of Inflight's recipe schema."""
-    model: Any = Recipe
-    for part in path.split("."):
-        if not (isinstance(model, type) and issubclass(model, ConfigModel)) or part not in model.model_fields:
-            return False
-        model = model.model_fields[part].annotation
-    return True
+is_inflight_key = is_recipe_key
 
 
 def algorithm_part(name: str) -> dict:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from protocol.config_base import ConfigModel
-from services.config import Recipe
+from services.config import is_recipe_key
 from services.config_checkpoints import CheckpointingConfig
 from services.config_data import DataConfig, EnvConfig
 from services.config_logging import LoggerConfig
@@ -34,20 +33,7 @@ BASE = {"policy": {"dtensor_cfg": {"enabled": True}, "max_total_sequence_length"
 """A minimal NeMo-RL recipe (``policy.dtensor_cfg`` makes it one) for the single-key cases."""
 
 
-def is_inflight_key(path: str) -> bool:
-    """Whether ``path`` is a leaf (or sub-model) of Inflight's recipe schema; ``env.<name>.<key>`` is one of
-    :class:`RewardEnvConfig`'s."""
-    parts = path.split(".")
-    if parts[0] == "env" and len(parts) == 3:
-        from services.config_data import RewardEnvConfig
-
-        return parts[2] in RewardEnvConfig.model_fields
-    model: Any = Recipe
-    for part in parts:
-        if not (isinstance(model, type) and issubclass(model, ConfigModel)) or part not in model.model_fields:
-            return False
-        model = model.model_fields[part].annotation
-    return True
+is_inflight_key = is_recipe_key
 
 
 def part(name: str) -> dict:
