@@ -6,16 +6,24 @@ rewards (:mod:`learner.reward_shaping`), drops overlong samples from the loss wh
 ``overlong_filtering`` is on (their reward stays in the baseline) and counts what
 the metrics report; :func:`split` cuts the batch into the
 samples of each optimizer step (trajectory positions ``[j·B, (j+1)·B)``).
-See docs/learner.md, "A step" and "Several optimizer steps per batch".
+
+A multi-turn sample keeps its environment tokens in the sequence (context for the tokens after them) but
+only its sampled tokens (``loss_mask`` 1) are trained: :func:`trained_positions` gives, per packed sequence,
+the log-prob positions of those tokens, and :func:`token_inputs` their per-token loss inputs, so that an
+environment token never reaches the loss, its IS weight, N or any token metric.
+See docs/learner.md, "A step", "Multi-turn samples" and "Several optimizer steps per batch".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from learner.config import TrainStepConfig
-from learner.loss import group_advantages
+from learner.logprobs import response_slices
+from learner.loss import TokenInputs, group_advantages
+from learner.packing import MicroBatch
 from learner.reward_shaping import shaped_group_rewards
 from protocol.messages import Trajectory, TrajectoryGroup
 
@@ -33,10 +41,17 @@ class Sample:
     tokens: np.ndarray
     prompt_len: int
     lp_gen: np.ndarray
+    """The engine's log-prob of every response token in ``tokens`` (0.0 at environment tokens)."""
+    loss_mask: np.ndarray
+    """bool, one per response token in ``tokens``: True where the engine sampled it (trained)."""
     advantage: float
     position: int = 0
     """Its index among all the batch's trajectories (groups in order, failed ones counted): which
     optimizer step trains it (:func:`split`)."""
+
+    @property
+    def num_trained(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass
@@ -61,6 +76,8 @@ class StepBatch:
     order of ``rewards``; equal to them when both are off."""
     reshaped: bool = False
     """Whether scaling or shaping was on (the metrics then report ``shaped_reward_*``)."""
+    env_tokens: int = 0
+    """Environment (loss mask 0) response tokens of ``samples``: in the sequences as context, never trained."""
 
     def reward_metrics(self) -> dict[str, float]:
         """``shaped_reward_{mean,min,max,std}`` when the rewards were scaled or shaped, else nothing."""
@@ -71,7 +88,7 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
             cfg: TrainStepConfig) -> StepBatch:
     """The valid samples of ``groups`` with their advantages, and the batch's counts."""
     samples, rewards, lengths, shaped_all = [], [], [], []
-    zero_groups = failed = truncated = length_finished = filtered = 0
+    zero_groups = failed = truncated = length_finished = filtered = env_tokens = 0
     limit = max_total_sequence_length
     position = 0
     for g in groups:
@@ -101,15 +118,19 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
             if overlong and cfg.overlong_filtering:
                 filtered += 1  # its reward is in the group's baseline above; no token in the loss
                 continue
+            if not t.response_ids.size == t.logprobs.size == t.loss_mask.size:
+                raise ValueError(f"group {g.group_id}: trajectory {i} has {t.response_ids.size} response ids, "
+                                 f"{t.logprobs.size} log-probs and {t.loss_mask.size} loss-mask entries")
             room = limit - prompt.size
-            resp, lp_gen = t.response_ids[:room], t.logprobs[:room]
+            resp, lp_gen, mask = t.response_ids[:room], t.logprobs[:room], t.sampled[:room]
             truncated += int(resp.size < t.response_ids.size)
-            if resp.size == 0:
+            if not mask.any():  # empty, or cut before its first sampled token: nothing to train
                 continue
+            env_tokens += int(mask.size - np.count_nonzero(mask))
             samples.append(Sample(np.concatenate([prompt, resp.astype(np.int64)]), int(prompt.size),
-                                  np.asarray(lp_gen, dtype=np.float32), float(adv), base + i))
+                                  np.asarray(lp_gen, dtype=np.float32), mask, float(adv), base + i))
     return StepBatch(samples, rewards, zero_groups, failed, truncated, position, lengths, length_finished,
-                     filtered, shaped_all, cfg.reward_scaling.enabled or cfg.reward_shaping.enabled)
+                     filtered, shaped_all, cfg.reward_scaling.enabled or cfg.reward_shaping.enabled, env_tokens)
 
 
 def split(batch: StepBatch, size: int | None) -> list[list[Sample]]:
@@ -125,6 +146,26 @@ def split(batch: StepBatch, size: int | None) -> list[list[Sample]]:
     for smp in batch.samples:
         minis[smp.position // size].append(smp)
     return minis
+
+
+def trained_positions(mb: MicroBatch, samples: list[Sample]) -> list[torch.Tensor]:
+    """For each segment of ``mb`` (``samples`` indexed by the segment's sequence index), the positions in
+    ``token_logprobs(mb)`` of its trained response tokens (int64, on the CPU); all of its response with an
+    all-ones mask, equal then to :func:`learner.logprobs.response_slices`."""
+    slices = response_slices(mb, [s.prompt_len for s in samples])
+    return [torch.arange(sl.start, sl.stop)[torch.from_numpy(samples[seg.index].loss_mask)]
+            for seg, sl in zip(mb.segments, slices, strict=True)]
+
+
+def token_inputs(mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
+                 lp_ref: dict[int, torch.Tensor] | None, device: torch.device) -> TokenInputs:
+    """The loss inputs of ``mb``'s trained tokens, in the order of :func:`trained_positions`: ``lp_prev`` and the
+    reference's log-probs (by sequence index) at those tokens, the engine's log-probs and the advantages."""
+    idx = [seg.index for seg in mb.segments]
+    lp_gen = torch.cat([torch.from_numpy(samples[i].lp_gen[samples[i].loss_mask]) for i in idx]).to(device)
+    adv = torch.cat([torch.full((samples[i].num_trained,), samples[i].advantage) for i in idx]).to(device)
+    return TokenInputs(lp_prev=lp_prev, lp_gen=lp_gen, advantages=adv,
+                       lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None)
 
 
 def summary_stats(values: list[float], prefix: str) -> dict[str, float]:

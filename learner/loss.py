@@ -4,8 +4,10 @@
 difference alone; or the leave-one-out baseline of RLOO); an all-equal group
 has exactly zero advantages and is counted. :func:`per_token_loss`: the clipped surrogate (optionally
 dual-clipped) with the ``tis`` / ``icepop`` importance weight (no gradient) and the clamped k3 KL penalty,
-per response token; the step's loss is ``Σ_t loss_t / N`` over the valid response tokens of
-the **global** batch, so micro-batch gradients add up to one masked mean.
+per response token; the step's loss is ``Σ_t loss_t / N`` over the trained response tokens of
+the **global** batch, so micro-batch gradients add up to one masked mean. Trained = sampled by the engine
+(``Trajectory.loss_mask`` 1): a multi-turn sample's environment tokens are selected out before the loss
+(:func:`learner.batch.trained_positions`), so they get no loss, no IS weight and no place in N or a metric.
 :class:`LossStats` accumulates the metrics (``gen_kl_error``,
 ``policy_kl_error``, ``token_mult_prob_error``, ratios, IS weights) and
 all-reduces them over data-parallel ranks.
@@ -97,7 +99,7 @@ def importance_weights(lp_prev: torch.Tensor, lp_gen: torch.Tensor, cfg: LossCon
 
 @dataclass
 class TokenInputs:
-    """Per-token inputs of the loss for one micro-batch's valid response tokens (1-D, equal length)."""
+    """Per-token inputs of the loss for one micro-batch's trained response tokens (1-D, equal length)."""
 
     lp_prev: torch.Tensor
     lp_gen: torch.Tensor
@@ -134,7 +136,8 @@ def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[t
 
 @dataclass
 class LossStats:
-    """Accumulates the per-token metric quantities of a step over micro-batches (and ranks)."""
+    """Accumulates the per-token metric quantities of a step over micro-batches (and ranks); ``tokens`` counts
+    the trained tokens (the ``num_valid_tokens`` metric, N)."""
 
     sums: dict[str, float] = field(default_factory=dict)
     mins: dict[str, float] = field(default_factory=dict)

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from learner import checkpoint, hf_weights
-from learner.batch import Sample, StepBatch, collect, split, summary_stats
+from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
-from learner.logprobs import EntropyTap, response_logprobs_no_grad, response_slices, token_logprobs
+from learner.logprobs import EntropyTap, response_logprobs_no_grad, token_logprobs
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
@@ -50,7 +50,6 @@ class Prepared:
 
     samples: list[Sample]
     mine: list[MicroBatch]
-    prompt_lens: list[int]
     fill: float
     num_micro_batches: int
     pad_tokens: int
@@ -155,9 +154,8 @@ class Learner:
         micro_batches, fill = self._pack([s.tokens for s in samples]) if samples else ([], 0.0)
         mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
         mine = [mb.to(self.device) for mb in mine]
-        prompt_lens = [s.prompt_len for s in samples]
-        local_tokens = sum(sl.stop - sl.start for mb in mine for sl in response_slices(mb, prompt_lens))
-        return Prepared(samples, mine, prompt_lens, fill, len(micro_batches), pad_tokens, local_tokens)
+        local_tokens = sum(samples[seg.index].num_trained for mb in mine for seg in mb.segments)  # sampled only
+        return Prepared(samples, mine, fill, len(micro_batches), pad_tokens, local_tokens)
 
     def _pack(self, sequences: list[np.ndarray]) -> tuple[list[MicroBatch], float]:
         budget = self.packing.train_mb_tokens
@@ -195,7 +193,7 @@ class Learner:
             # pi_prev: every optimizer step after the first runs on updated weights, so the log-probs of the
             # weights the batch started from come from one no-grad forward of the whole batch, before any update
             t0 = time.perf_counter()
-            prev = [self._logprobs_by_index(self.model, p.mine, p.prompt_lens) for p in preps]
+            prev = [self._logprobs_by_index(self.model, p.mine, p.samples) for p in preps]
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             prev_s = time.perf_counter() - t0
@@ -237,6 +235,7 @@ class Learner:
             "zero_advantage_groups": float(batch.zero_advantage_groups),
             "failed_samples": float(batch.failed_samples),
             "truncated_samples": float(batch.truncated_samples),
+            "env_tokens": float(batch.env_tokens),
             "grad_norm": float(np.mean([o.grad_norm for o in applied])) if applied else float("nan"),
             "step_skipped": float(not applied),
             "optimizer_steps": float(len(applied)),
@@ -259,8 +258,8 @@ class Learner:
         """Forward/backward of ``Σ loss_t / n_global`` over ``prep`` and one optimizer step if everything is
         finite. ``lp_prev`` None: π_prev is the training forward, detached (a single optimizer step per batch).
         ``loss_share`` (n_global / the batch's tokens) weights this step's loss in the ``loss`` metric."""
-        mine, prompt_lens, samples = prep.mine, prep.prompt_lens, prep.samples
-        lp_ref = self._logprobs_by_index(self.reference, mine, prompt_lens) if self.reference is not None else None
+        mine, samples = prep.mine, prep.samples
+        lp_ref = self._logprobs_by_index(self.reference, mine, samples) if self.reference is not None else None
         self.model.zero_grad_buffer()
         self.optim.zero_grad()
         local_loss = 0.0
@@ -271,14 +270,14 @@ class Learner:
             if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
                 lp[:0].sum().backward()
                 continue
-            slices = response_slices(mb, prompt_lens)
-            lp_resp = torch.cat([lp[s] for s in slices])
+            at = torch.cat(trained_positions(mb, samples)).to(lp.device)  # sampled tokens only (learner.batch)
+            lp_resp = lp[at]
             # one optimizer step: every forward of the step runs on the weights the step started from, so
             # pi_prev is this forward, detached (a separate no-grad pass gives the same numbers)
             prev = lp_resp.detach() if lp_prev is None else torch.cat([lp_prev[seg.index] for seg in mb.segments])
             x = self._token_inputs(mb, samples, prev, lp_ref)
             loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
-            parts["entropy"] = torch.cat([entropy[s] for s in slices]).to(lp_resp.dtype)
+            parts["entropy"] = entropy[at.to(entropy.device)].to(lp_resp.dtype)
             mb_loss = loss_t.sum() / n_global
             mb_loss.backward()
             value = float(mb_loss.detach())
@@ -303,23 +302,19 @@ class Learner:
         return StepOutcome(applied, grad_norm, reason, nonfinite_loss, nonfinite_grad)
 
     def _logprobs_by_index(self, model, micro_batches: list[MicroBatch],
-                           prompt_lens: list[int]) -> dict[int, torch.Tensor]:
+                           samples: list[Sample]) -> dict[int, torch.Tensor]:
+        """No-grad log-probs of each sequence's trained tokens, by sequence index."""
         out: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for mb in micro_batches:
                 lp = token_logprobs(model, mb)
-                for seg, sl in zip(mb.segments, response_slices(mb, prompt_lens), strict=True):
-                    out[seg.index] = lp[sl]
+                for seg, at in zip(mb.segments, trained_positions(mb, samples), strict=True):
+                    out[seg.index] = lp[at.to(lp.device)]
         return out
 
     def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                       lp_ref: dict[int, torch.Tensor] | None) -> TokenInputs:
-        dev = self.device
-        idx = [seg.index for seg in mb.segments]
-        lp_gen = torch.cat([torch.from_numpy(samples[i].lp_gen) for i in idx]).to(dev)
-        adv = torch.cat([torch.full((samples[i].lp_gen.size,), samples[i].advantage) for i in idx]).to(dev)
-        return TokenInputs(lp_prev=lp_prev, lp_gen=lp_gen, advantages=adv,
-                           lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None)
+        return token_inputs(mb, samples, lp_prev, lp_ref, self.device)
 
     def _any_nonfinite_grad(self) -> bool:
         bad = torch.zeros(1, device=self.device)

@@ -13,6 +13,7 @@ from protocol.codec import (
     encode,
 )
 from protocol.errors import ProtocolError
+from protocol.loss_mask import masked_fill
 from protocol.messages import (
     FINISH_REASONS,
     ControlMessage,
@@ -29,6 +30,6 @@ from protocol.weights import checksum_of, pack_buckets, unpack_buckets
 __all__ = [
     "ControlMessage", "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "Message", "PromptRequest",
     "ProtocolError", "SCHEMA_VERSION", "TensorSpec", "Trajectory", "TrajectoryGroup",
-    "WeightBucket", "WeightManifest", "checksum_of", "decode", "encode", "pack_buckets",
+    "WeightBucket", "WeightManifest", "checksum_of", "decode", "encode", "masked_fill", "pack_buckets",
     "unpack_buckets",
 ]

@@ -30,7 +30,14 @@ from protocol.messages import (
 
 M = TypeVar("M", TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema version (2: the trajectory's per-token ``loss_mask`` and ``turn_finish_reasons``)."""
+KIND_SCHEMAS: dict[str, tuple[int, ...]] = {"trajectory_group": (1, 2), "prompt": (1,), "weight_manifest": (1,),
+                                            "weight_bucket": (1,), "control": (1,)}
+"""The schema versions each kind is read at, oldest first; it is written at the last. A kind is written at the
+version that last changed its layout (only ``trajectory_group`` changed in 2), so that a pool of the previous
+version still reads this learner's prompts and weight pushes during a rolling upgrade, and a schema 1 group
+(from such a pool, or in a checkpoint) is read with every token sampled."""
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 MAGIC = b"INFL"
 ALIGN = 64
@@ -92,7 +99,7 @@ def pack_frame(body: dict) -> bytes:
 def encode(msg: Message) -> bytes:
     """Encode a message (adds ``schema`` and ``kind``); array bytes are copied once."""
     body = msg.to_wire()
-    body["schema"] = SCHEMA_VERSION
+    body["schema"] = KIND_SCHEMAS[msg.KIND][-1]
     body["kind"] = msg.KIND
     return pack_frame(body)
 
@@ -202,15 +209,21 @@ def decode(data: bytes | bytearray | memoryview, expect: type | None = None,
     if not isinstance(obj, dict):
         raise ProtocolError("<message>", "a map", type(obj).__name__)
     schema = obj.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:  # not 1.0, True or an array
-        raise ProtocolError("schema", f"schema version {SCHEMA_VERSION}", schema)
+    if type(schema) is not int or not 1 <= schema <= SCHEMA_VERSION:  # not 1.0, True or an array
+        raise ProtocolError("schema", f"a schema version in 1..{SCHEMA_VERSION}", schema)
     kind = obj.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("kind", f"one of {sorted(MESSAGE_TYPES)}", kind)
     if expect is not None and cls is not expect:
         raise ProtocolError("kind", repr(expect.KIND), kind)
+    versions = KIND_SCHEMAS[cls.KIND]
+    if schema not in versions:
+        raise ProtocolError("schema", f"schema version {' or '.join(map(str, versions))} for a {cls.KIND} message",
+                            schema)
     try:
+        if cls is TrajectoryGroup:
+            return TrajectoryGroup.from_wire(obj, "", schema)
         return cls.from_wire(obj, "")
     except ProtocolError:
         raise

@@ -6,7 +6,7 @@ turns that map into msgpack bytes. ``from_wire`` is the single place where a
 message arriving from another process is checked, field by field.
 
 Per-token arrays travel as numpy arrays (int32 token ids and versions, float32
-log-probs) and come back as read-only views of the received buffer.
+log-probs, uint8 loss mask) and come back as read-only views of the received buffer.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from protocol import fields as F
 from protocol.errors import ProtocolError
+from protocol.loss_mask import read_turn_fields
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Why a sample ended: end-of-sequence/stop string, token limit, aborted
@@ -36,10 +37,21 @@ def _f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+_ALL_SAMPLED = np.ones(0, np.uint8)
+"""Sentinel default of ``Trajectory.loss_mask``: every response token was sampled (single turn)."""
+
+
 @dataclass
 class Trajectory:
     """One sampled answer: its tokens, the engine's log-probs of them, the
     policy version that produced each token, and its reward.
+
+    A multi-turn answer is its sampled turns and the environment's turns (tokenized once) laid end to end in
+    ``response_ids``; ``loss_mask`` is 1 at tokens the engine sampled (trained) and 0 at environment tokens
+    (context only, never trained); default all ones (one sampled turn). At environment tokens ``logprobs`` is
+    0.0 and ``versions`` the version of the nearest sampled token before it (:mod:`protocol.loss_mask`);
+    consumers still read them through the mask (:attr:`sampled_versions`). ``turn_finish_reasons``: one per
+    sampled turn (default ``[finish_reason]``); ``finish_reason`` is the whole sample's.
 
     A sample that failed (generation error, reward error) has
     ``finish_reason == "error"``, ``reward is None`` and ``error`` set; it is
@@ -58,26 +70,47 @@ class Trajectory:
     finish_reason: str = "stop"
     error: str = ""
     reward_components: dict[str, float] = field(default_factory=dict)
+    loss_mask: np.ndarray = field(default_factory=lambda: _ALL_SAMPLED)
+    turn_finish_reasons: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.response_ids = _i32(self.response_ids)
         self.logprobs = _f32(self.logprobs)
         self.versions = _i32(self.versions)
+        if self.loss_mask is _ALL_SAMPLED:
+            self.loss_mask = np.ones(self.response_ids.shape[0], np.uint8)
+        else:
+            self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+        if not self.turn_finish_reasons:
+            self.turn_finish_reasons = [self.finish_reason]
 
     @property
     def ok(self) -> bool:
         return self.finish_reason != "error"
 
+    @property
+    def sampled(self) -> np.ndarray:
+        """Boolean mask of the tokens the engine sampled (the trained ones)."""
+        return self.loss_mask == 1
+
+    @property
+    def sampled_versions(self) -> np.ndarray:
+        """The policy versions of the sampled tokens (environment tokens have none of their own)."""
+        return self.versions[self.sampled]
+
     def to_wire(self) -> dict:
         d = {"response_ids": self.response_ids, "logprobs": self.logprobs,
-             "versions": self.versions, "reward": self.reward,
-             "finish_reason": self.finish_reason, "error": self.error}
+             "versions": self.versions, "loss_mask": self.loss_mask, "reward": self.reward,
+             "finish_reason": self.finish_reason, "turn_finish_reasons": list(self.turn_finish_reasons),
+             "error": self.error}
         if self.reward_components:
             d["reward_components"] = {str(k): float(v) for k, v in self.reward_components.items()}
         return d
 
     @classmethod
-    def from_wire(cls, d: dict, path: str, vocab_size: int) -> Trajectory:
+    def from_wire(cls, d: dict, path: str, vocab_size: int, schema: int = 2) -> Trajectory:
+        """Check and build one trajectory; ``schema`` 1 (before the loss mask): every token sampled, one turn,
+        and the v2 keys must be absent."""
         d = F.as_dict(d, path)
         ids = F.as_array(F.req(d, "response_ids", path), f"{path}.response_ids", "int32")
         if ids.shape[0] > MAX_TOKENS:
@@ -103,7 +136,8 @@ class Trajectory:
         components = _reward_components(d.get("reward_components", {}), f"{path}.reward_components")
         if components and reason == "error":
             raise ProtocolError(f"{path}.reward_components", "empty for a failed sample", sorted(components))
-        return cls(ids, lps, vers, reward, reason, error, components)
+        mask, turns = read_turn_fields(d, path, schema, reason, lps, vers, FINISH_REASONS)
+        return cls(ids, lps, vers, reward, reason, error, components, mask, turns)
 
 
 MAX_REWARD_COMPONENTS = 64
@@ -146,8 +180,9 @@ class TrajectoryGroup:
 
     @property
     def oldest_version(self) -> int:
-        """Smallest policy version over all valid tokens of the group."""
-        mins = [int(t.versions.min()) for t in self.trajectories if t.ok and t.versions.size]
+        """Smallest policy version over the sampled tokens of the group's valid samples (environment tokens
+        were produced by no policy)."""
+        mins = [int(v.min()) for v in (t.sampled_versions for t in self.trajectories if t.ok) if v.size]
         return min(mins) if mins else 0
 
     @property
@@ -163,7 +198,7 @@ class TrajectoryGroup:
                 "created_at": self.created_at}
 
     @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> TrajectoryGroup:
+    def from_wire(cls, d: dict, path: str = "", schema: int = 2) -> TrajectoryGroup:
         group_id = F.as_str(F.req(d, "group_id", path), F._join(path, "group_id"), allow_empty=False)
         prompt_id = F.as_str(F.req(d, "prompt_id", path), F._join(path, "prompt_id"), allow_empty=False)
         vocab = F.as_int(F.req(d, "vocab_size", path), F._join(path, "vocab_size"), 1, 1 << 24)
@@ -175,7 +210,7 @@ class TrajectoryGroup:
         raw = F.as_list(F.req(d, "trajectories", path), F._join(path, "trajectories"), MAX_GROUP_SIZE)
         if len(raw) != gsize:
             raise ProtocolError(F._join(path, "trajectories"), f"{gsize} trajectories (group_size)", len(raw))
-        trajs = [Trajectory.from_wire(t, f"{F._join(path, 'trajectories')}[{i}]", vocab)
+        trajs = [Trajectory.from_wire(t, f"{F._join(path, 'trajectories')}[{i}]", vocab, schema)
                  for i, t in enumerate(raw)]
         step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
         engine_id = F.as_str(F.req(d, "engine_id", path), F._join(path, "engine_id"))

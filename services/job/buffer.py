@@ -5,7 +5,8 @@ generated for) and per-token policy versions; ``take(step, n)`` hands out
 exactly ``n`` screened groups for ``step``. ``screen`` refuses, drops and
 counts (never silently uses) a group that is **stale**
 (``version - oldest_token_version > max_trajectory_age_steps``, ``version``
-being the learner's at the start of the step) or has **fewer than two valid
+being the learner's at the start of the step; only sampled tokens count,
+``TrajectoryGroup.oldest_version``) or has **fewer than two valid
 samples** (failed samples carry no reward: no advantage can be formed).
 Groups for later steps wait; a second group for a buffered prompt is refused
 by ``add``. The raw protocol bytes are kept beside each group so the learner

@@ -110,8 +110,8 @@ class Validator:
                 for group in self._evaluate(batch, step):
                     by_id[group.prompt_id] = [t.reward if t.finish_reason != "error" else None
                                               for t in group.trajectories]
-                    versions.extend(int(t.versions.min()) for t in group.trajectories
-                                    if t.finish_reason != "error" and len(t.versions))
+                    versions.extend(int(t.sampled_versions.min()) for t in group.trajectories  # no env tokens
+                                    if t.finish_reason != "error" and t.sampled_versions.size)
                 bar.update(len(batch))
         rewards = [by_id.get(p.prompt_id, [None] * self.k) for p in self.prompts]
         result = validation_metrics(rewards, self.k, time.perf_counter() - t0, min(versions) if versions else None)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from protocol import (ControlMessage, PromptRequest, Trajectory, TrajectoryGroup, WeightBucket,
-                      WeightManifest, pack_buckets)
+                      WeightManifest, masked_fill, pack_buckets)
+from protocol.loss_mask import sampled_spans
 from protocol.messages import CONTROL_ACTIONS, FINISH_REASONS, WEIGHT_DTYPES, dtype_itemsize
 
 OK_REASONS = tuple(r for r in FINISH_REASONS if r != "error")
@@ -37,8 +38,15 @@ def trajectories(draw, vocab_size: int) -> Trajectory:
     if draw(st.integers(0, 4)) == 0:  # a failed sample: no reward, a reason
         return Trajectory(ids, logprobs, versions, None, "error", draw(ident))
     components = draw(st.dictionaries(ident, finite, max_size=3))  # per-function values (often none)
-    return Trajectory(ids, logprobs, versions, draw(finite), draw(st.sampled_from(OK_REASONS)), draw(short_text),
-                      components)
+    reason = draw(st.sampled_from(OK_REASONS))
+    if n < 2 or draw(st.booleans()):  # one sampled turn: the default mask (all ones)
+        return Trajectory(ids, logprobs, versions, draw(finite), reason, draw(short_text), components)
+    mask = draw(hnp.arrays(np.uint8, n, elements=st.integers(0, 1)))  # several turns, environment tokens between
+    mask[draw(st.integers(0, n - 1))] = 1
+    logprobs, versions = masked_fill(mask, logprobs, versions)
+    turns = draw(st.lists(st.sampled_from(OK_REASONS), min_size=sampled_spans(mask),
+                          max_size=int(mask.sum())))
+    return Trajectory(ids, logprobs, versions, draw(finite), reason, draw(short_text), components, mask, turns)
 
 
 @st.composite
@@ -112,6 +120,12 @@ def random_message(rng: np.random.Generator):
             vers = rng.integers(0, 50, n)
             if rng.random() < 0.25:
                 trajs.append(Trajectory(ids, lps, vers, None, "error", "reward fn timed out"))
+            elif n > 2 and rng.random() < 0.5:  # two sampled turns around an environment turn
+                mask = np.ones(n, np.uint8)
+                mask[n // 3:2 * n // 3] = 0
+                lps, vers = masked_fill(mask, lps, vers)
+                trajs.append(Trajectory(ids, lps, vers, float(rng.normal()), "stop", "", {}, mask,
+                                        ["stop", str(rng.choice(OK_REASONS))]))
             else:
                 trajs.append(Trajectory(ids, lps, vers, float(rng.normal()), str(rng.choice(OK_REASONS))))
         return TrajectoryGroup(f"g{rng.integers(1 << 30)}", "p1", rng.integers(0, vocab, int(rng.integers(0, 16))),

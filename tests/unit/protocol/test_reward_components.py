@@ -1,5 +1,5 @@
-"""``Trajectory.reward_components``: each reward function's value travels with the sample (optional key, schema
-1); a message written without it still decodes, and every name/value is checked like the other fields."""
+"""``Trajectory.reward_components``: each reward function's value travels with the sample (optional key, since
+schema 1); a message written without it still decodes, and every name/value is checked like the other fields."""
 from __future__ import annotations
 
 import math
@@ -24,10 +24,10 @@ def test_reward_components_round_trip():
     assert "reward_components" not in wire["trajectories"][0]  # absent when empty: old readers see v1 as before
 
 
-def test_a_v1_message_without_reward_components_decodes():
+def test_a_message_without_reward_components_decodes():
     body = unpack_frame(encode(group(Trajectory([4], [-0.5], [0], 1.0))))
     body["trajectories"][0].pop("reward_components", None)
-    assert body["schema"] == 1
+    assert body["schema"] == 2
     back = decode(pack_frame(body), expect=TrajectoryGroup)
     assert back.trajectories[0].reward_components == {} and back.trajectories[0].reward == 1.0
 

@@ -104,5 +104,5 @@ def test_big_endian_and_strided_arrays_encode_as_little_endian_contiguous():
 def test_unpack_frame_returns_the_plain_map():
     wire = encode(TrajectoryGroup("g", "p", [1], [Trajectory([], [], [], None, "error", "boom")], 1, 5))
     obj = unpack_frame(wire)
-    assert obj["kind"] == "trajectory_group" and obj["schema"] == 1
+    assert obj["kind"] == "trajectory_group" and obj["schema"] == 2
     assert obj["trajectories"][0]["reward"] is None

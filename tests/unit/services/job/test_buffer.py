@@ -1,9 +1,10 @@
 """The staleness-bounded trajectory buffer (services/job/buffer.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from protocol import Trajectory, TrajectoryGroup, encode
+from protocol import Trajectory, TrajectoryGroup, decode, encode, masked_fill
 from services.job.buffer import TrajectoryBuffer
 
 
@@ -46,3 +47,19 @@ def test_buffer_refuses_a_second_group_of_a_buffered_prompt():
     assert len(buf) == 1 and buf.all_groups()[0].data == b"1"
     buf.take(1, 1)
     assert not buf.holds("a")
+
+
+def test_staleness_counts_only_sampled_tokens():
+    """Environment tokens (loss mask 0) were produced by no policy: their versions never make a group stale, and an
+    in-flight update inside a turn is judged per token."""
+    mask = np.array([1, 1, 0, 0, 1], np.uint8)
+    sampled = Trajectory([1, 2, 3, 4, 5], [-0.5, -0.5, 0.0, 0.0, -0.5], [3, 4, 0, 0, 4], 1.0, loss_mask=mask)
+    g = TrajectoryGroup("g-m", "m", [5], [sampled, Trajectory([1], [-0.5], [4], 0.0)], 2, 16, scheduled_step=5)
+    assert g.oldest_version == 3  # not 0: the environment tokens' versions are not read
+    buf = TrajectoryBuffer(max_age=1)
+    assert buf.reject_reason(g, 4) is None and buf.reject_reason(g, 5) == "stale"
+    wire = decode(encode(TrajectoryGroup("g-w", "w", [5], [
+        Trajectory([1, 2, 3, 4, 5], *masked_fill(mask, -np.ones(5), np.array([3, 4, 0, 0, 4])), 1.0, loss_mask=mask,
+                   turn_finish_reasons=["stop", "stop"]),
+        Trajectory([1], [-0.5], [4], 0.0)], 2, 16)), expect=TrajectoryGroup)
+    assert wire.trajectories[0].versions.tolist() == [3, 4, 4, 4, 4] and wire.oldest_version == 3
