@@ -53,11 +53,24 @@ def resolve_model(model_name: str) -> str:
         if not (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists():
             make_tiny_model(out, seed=tiny.seed, arch=tiny.arch, size=tiny.size,
                             tie_word_embeddings=tiny.tie_word_embeddings)
+        refresh_chat_template(out)
         return str(out)
     path = Path(model_name).expanduser()
     if not (path / "config.json").exists():
         raise ValueError(f"policy.model_name: {model_name!r} {NOT_A_DIRECTORY}")
     return str(path.resolve())
+
+
+def refresh_chat_template(model_dir: Path) -> None:
+    """A tiny model cached by an older version keeps its weights and vocabulary but gets today's chat template
+    (the tools of ``env.<name>.tools`` need it); written atomically, nothing else changes."""
+    from services.tiny_model import CHAT_TEMPLATE
+
+    path = model_dir / "chat_template.jinja"
+    if path.is_file() and path.read_text() != CHAT_TEMPLATE:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(CHAT_TEMPLATE)
+        os.replace(tmp, path)
 
 
 def check_model(model_name: str) -> str:

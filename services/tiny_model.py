@@ -1,7 +1,8 @@
 """Build a tiny random-init Hugging Face model and a locally trained tokenizer.
 
 No hub access: the tokenizer is a byte-level BPE (Qwen's pre-tokenizer regex,
-a few hundred tokens, ChatML chat template) trained on a small synthetic
+a few hundred tokens, a ChatML chat template that shows ``tools`` and ``tool``
+messages as Qwen2.5's does) trained on a small synthetic
 corpus, and the model is a random init of a real architecture (``ARCHS``: Qwen2,
 Qwen3, Llama 2 and 3.x, Mistral, Qwen3-MoE; its ``config.json`` carries the keys
 of the family's published one, at reduced sizes) saved with ``save_pretrained``
@@ -30,9 +31,32 @@ ARCHS = tuple(ARCH_CLASSES)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+TOOLS_INSTRUCTIONS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOL_CALL_INSTRUCTIONS = (
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>")
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    # ``{{ '\\n' }}`` where a newline follows a block tag: transformers renders with trim_blocks, which drops it
+    # with tools: a system turn (the first system message's text, then the tools) as Qwen2.5's template writes it
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    + TOOLS_INSTRUCTIONS + "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
+    + TOOL_CALL_INSTRUCTIONS + "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"  # already in the tools' system turn
+    # consecutive tool messages: one user turn, each result in <tool_response> (Qwen2.5's rendering)
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ m['content'] }}{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML. Without tools and tool messages it renders as it always has; ``tools=`` adds a system turn listing
+them in ``<tools>`` with the ``<tool_call>`` instructions, and ``tool`` messages render as Qwen2.5's do."""
 WORDS = (
     "the a an and or but if then of to in on at by for with from up down is are was were be "
     "have has had do does did will can i you he she it we they this that what which who where "
