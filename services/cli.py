@@ -6,6 +6,7 @@
     inflight pool shutdown [--name N] [--stop-cluster]
     inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]
     inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
+    inflight env serve ENV [--host H] [--port 8300] [--kwargs JSON]   (an environment class over HTTP)
     inflight export --run-dir DIR [--step N] --out HF_DIR [--recipe PATH] [key=value ...]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral]
                                  [--tie-word-embeddings] [--size tiny|small|0.6b]
@@ -43,9 +44,34 @@ def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
 def _cmd_validate(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     model = _check_model(recipe.policy.model_name)
+    environment = _check_environment(recipe)
     sys.stdout.write(recipe_to_yaml(recipe))
     print(f"inflight: policy.model_name: {model}", file=sys.stderr)
+    if environment:
+        print(f"inflight: {environment}", file=sys.stderr)
     return 0
+
+
+def _check_environment(recipe: Recipe) -> str:
+    """One line on the environment that plays the episodes ('' for single-turn scoring); a class that does not
+    load is a user error (exit 2)."""
+    from rollout.env_registry import TOOL_CALLS, load_environment_class
+
+    name = recipe.data.env_name
+    if name is None or not (e := recipe.env.named[name]).episodic:
+        return ""
+    turns = f"up to {recipe.grpo.max_rollout_turns} turns"
+    if e.url is not None:
+        return f"env.{name}: environment server {e.url}, {turns}"
+    assert e.environment is not None
+    if e.environment == TOOL_CALLS:
+        return f"env.{name}: tool_calls with {', '.join(e.tools)}, {turns}"
+    try:
+        cls = load_environment_class(e.environment)
+    except ValueError as err:
+        raise UserError(f"env.{name}.environment: {err}") from None
+    served = ", served by Ray Serve" if e.serve else ""
+    return f"env.{name}: {cls.__module__}.{cls.__qualname__}{served}, {turns}"
 
 
 def _check_model(model_name: str) -> str:
@@ -56,6 +82,12 @@ def _check_model(model_name: str) -> str:
         return check_model(model_name)
     except ValueError as err:
         raise UserError(str(err)) from None
+
+
+def _cmd_env_serve(args: argparse.Namespace) -> int:
+    from services.pool.env_server import serve_environment_main
+
+    return serve_environment_main(list(args.args))
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -179,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     recipe_command(sub, "validate", "load a recipe, apply overrides, print the result", _cmd_validate, run_dir=False)
 
+    env = sub.add_parser("env", help="environment servers").add_subparsers(dest="env_cmd", required=True)
+    es = env.add_parser("serve", add_help=False, help="serve an environment class over HTTP (POST /reset, /step)")
+    es.add_argument("args", nargs=argparse.REMAINDER, help="ENV [--host H] [--port P] [--kwargs JSON] [--name N]")
+    es.set_defaults(func=_cmd_env_serve)
+
     e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
     e.add_argument("--run-dir", required=True, help="the run directory (holds recipe.yaml and the checkpoints)")
     e.add_argument("--step", type=int, default=None, help="checkpoint step_N (default: the latest)")
@@ -201,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["env", "serve"]:  # its own parser (argparse's REMAINDER would swallow no leading --option)
+        return _cmd_env_serve(argparse.Namespace(args=argv[2:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

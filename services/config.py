@@ -80,6 +80,9 @@ class GrpoConfig(ConfigModel):
     dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1, le=1000)
     """Bound of dynamic sampling: at most this many times ``num_prompts_per_step`` prompts are tried for one step;
     past it the step trains on what it has and ``dynamic_sampling_exhausted`` is counted."""
+    max_rollout_turns: int = Field(default=1, ge=1, le=64)
+    """Sampled turns per episode of a multi-turn environment (``env.<name>.environment``); an episode the
+    environment has not ended by then is truncated (``env.<name>.truncated_reward``). 1: single-turn."""
     overlong_filtering: bool = False
     """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
     out of the loss."""

@@ -3,7 +3,7 @@
 same; docs/configuration.md lists each key with its NeMo-RL counterpart."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -20,7 +20,7 @@ MATH_VERIFY_IMPLS = {"hf_math_verify": "math_verify", "dapo_math_verify": "dapo_
 class DataConfig(ConfigModel):
     """``data``: the training and validation rows and how a row becomes a prompt."""
 
-    dataset_name: Literal["repeat_letter", "arithmetic"] | None = None
+    dataset_name: Literal["repeat_letter", "arithmetic", "letter_relay", "multi_step_arithmetic"] | None = None
     """A built-in prompt set generated from ``grpo.seed`` (``repeat_letter``: the toy task; ``arithmetic``:
     "What is a plus b?"). Used when ``train_data_path`` is not set; default ``repeat_letter``."""
     num_prompts: int = Field(default=4096, ge=1)
@@ -137,10 +137,66 @@ class RewardEnvConfig(ConfigModel):
     killed (and replaced) and its sample fails with the reason."""
     timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     """Deadline for scoring one sample with one reward function."""
+    environment: str | None = Field(default=None, min_length=1, max_length=512)
+    """The environment that plays each episode (docs/environments.md): ``tool_calls`` (runs ``tools``; a turn
+    without a call is the final answer, scored by ``reward_functions``), ``letter_relay`` (the example game), or
+    your own class as ``package.module:Class`` / ``/path/to/file.py:Class``. None: one sampled answer per
+    prompt, scored by ``reward_functions`` (unless ``url`` is set)."""
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment class's constructor (plain values)."""
+    url: str | None = Field(default=None, min_length=1, max_length=2048)
+    """An environment server (``POST /reset``, ``POST /step``; docs/environments.md, "Environment servers") that
+    plays the episodes instead of a class in the engine's process."""
+    serve: bool = False
+    """Deploy ``environment`` as a Ray Serve application next to the pool (its own replicas and HTTP route);
+    the engines then call it as they call a ``url``."""
+    serve_replicas: int = Field(default=1, ge=1, le=256)
+    """Replicas of the served environment (``serve``)."""
+    tools: list[Literal["calculator"]] = Field(default_factory=list)
+    """Tools the model is shown in the prompt (the chat template's ``tools``), run by ``tool_calls`` (or by the
+    server at ``url``)."""
+    max_tool_calls: int = Field(default=8, ge=1, le=1024)
+    """Tool calls per episode of ``tool_calls``; a turn that would pass it is scored as the final answer."""
+    step_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Deadline of one ``reset`` or ``step`` call (an HTTP call's own deadline for a server); past it the sample
+    fails with the reason, never scores 0."""
+    max_concurrent_calls: int = Field(default=64, ge=1, le=65536)
+    """Calls one engine has open to an environment server at once (the others wait their turn)."""
+    max_retries: int = Field(default=2, ge=0, le=10)
+    """Retries of a server call that timed out, could not connect or got an HTTP 5xx (not a 4xx or a malformed
+    answer)."""
+    retry_backoff_s: float = Field(default=0.5, ge=0.0, le=60.0)
+    """First back-off between retries; it doubles with each retry (with jitter)."""
+    truncated_reward: float | None = Field(default=0.0, ge=-1e6, le=1e6)
+    """Reward of an episode cut by ``grpo.max_rollout_turns`` or the context before the environment ended it
+    (finish reason ``length``, counted); None: such a sample fails instead."""
     math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
     """What ``math_verify`` in ``reward_functions`` is (NeMo-RL's key): ``hf_math_verify``, Hugging Face
     Math-Verify; ``dapo_math_verify``, DAPO's answer check (the last ``Answer: ...`` line, normalised, equals the
     normalised reference), i.e. the entry becomes ``dapo_math_verify``."""
+
+    @property
+    def episodic(self) -> bool:
+        """Whether an environment (a class, a server or a served class) plays the episodes."""
+        return self.environment is not None or self.url is not None
+
+    @model_validator(mode="after")
+    def _environment(self):
+        if self.url is not None and (self.serve or self.environment is not None):
+            raise ValueError("url: an environment server given by URL excludes environment and serve (set one)")
+        if self.serve and self.environment is None:
+            raise ValueError("serve: true needs environment (the class to deploy)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: expected http:// or https://..., got {self.url!r}")
+        if self.tools and self.environment != "tool_calls" and self.url is None:
+            raise ValueError(f"tools: {self.tools} are shown in the prompt and run by environment: tool_calls or a "
+                             f"server at url, got environment {self.environment!r}")
+        if self.serve and self.environment == "tool_calls":
+            raise ValueError("serve: a tool_calls environment runs in the engines (serve: false); serve your own "
+                             "environment class")
+        if self.environment == "tool_calls" and not self.tools:
+            raise ValueError("environment: tool_calls needs at least one of tools (e.g. [calculator])")
+        return self
 
     @model_validator(mode="after")
     def _names(self):

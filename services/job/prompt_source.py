@@ -96,8 +96,18 @@ def row_prompts(recipe: Recipe, tokenizer, path: str, key: str, id_prefix: str, 
         rows = train if part == "train" else held_out
     mapper = RowMapper.of(d)
     mapper.check_columns(rows, key)
-    template = PromptTemplate(tokenizer, read_template(d.prompt_file), read_system_prompt(d.system_prompt_file))
+    template = PromptTemplate(tokenizer, read_template(d.prompt_file), read_system_prompt(d.system_prompt_file),
+                              recipe_tools(recipe))
     return RowPrompts(rows, mapper, template, d.max_input_seq_length, key, id_prefix)
+
+
+def recipe_tools(recipe: Recipe) -> list[dict] | None:
+    """The tool schemas the prompts show (``env.<data.env_name>.tools``); None: the built-in task's own."""
+    from rollout.env_registry import tool_schemas
+
+    name = recipe.data.env_name
+    tools = recipe.env.named[name].tools if name is not None else []
+    return tool_schemas(tools) if tools else None
 
 
 class PromptSource:
@@ -131,7 +141,7 @@ class PromptSource:
             prompts: list[PromptRequest] | PromptSet = row_prompts(recipe, tokenizer, d.train_data_path,
                                                                    "data.train_data_path", "row-", d.train_split, part)
         elif d.dataset_name is not None:
-            prompts = make_prompts(d.dataset_name, tokenizer, d.num_prompts, g.seed)
+            prompts = make_prompts(d.dataset_name, tokenizer, d.num_prompts, g.seed, tools=recipe_tools(recipe))
         else:
             raise ValueError("data: set data.train_data_path or data.dataset_name")
         return cls(prompts, g.seed, shuffle=d.shuffle, max_epochs=g.max_num_epochs, skip_invalid=d.skip_invalid_rows)
@@ -256,7 +266,7 @@ def validation_prompts(recipe: Recipe, model_path: str, tokenizer=None) -> list[
     elif d.dataset_name is not None:
         from rollout.tasks import make_prompts
 
-        return make_prompts(d.dataset_name, tokenizer, n, recipe.grpo.seed, split="val")
+        return make_prompts(d.dataset_name, tokenizer, n, recipe.grpo.seed, split="val", tools=recipe_tools(recipe))
     else:
         raise ValueError("validation: data.train_data_path is set but neither data.val_data_path nor "
                          "data.split_validation_size")

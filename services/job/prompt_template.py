@@ -54,6 +54,8 @@ class PromptTemplate:
     """``data.prompt_file``'s text (one ``{}``), applied to a prompt text."""
     system_prompt: str | None = None
     """``data.system_prompt_file``'s text, the first turn unless a row brings its own system turn."""
+    tools: list[dict] | None = None
+    """Tool schemas shown by the chat template (``env.<name>.tools``)."""
 
     def messages(self, text: str | None = None, turns: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
         """The chat turns of a prompt text (through the template) or of a row's own turns."""
@@ -66,4 +68,4 @@ class PromptTemplate:
 
     def ids(self, text: str | None = None, turns: list[dict[str, str]] | None = None) -> list[int]:
         """Token ids of the prompt, ready for the assistant's answer."""
-        return chat_ids(self.tokenizer, self.messages(text, turns))
+        return chat_ids(self.tokenizer, self.messages(text, turns), self.tools)

@@ -15,6 +15,7 @@ from typing import Any
 from services.nemo_rl.rules import Derive, Ignore, NeutralOnly, Path, Rename, Source, Table, TranslationError, When
 
 SAME_MEANING: dict[Path, str] = {
+    "grpo.max_rollout_turns": "sampled turns per episode of a multi-turn environment",
     "grpo.num_prompts_per_step": "groups per step",
     "grpo.num_generations_per_prompt": "group size G",
     "grpo.max_num_epochs": "passes over the training data; the run ends at it or max_num_steps",
@@ -121,12 +122,10 @@ def _skip_reference(value: Any, src: Source) -> list[tuple[Path, Any]]:
     return []
 
 
-NO_MULTI_TURN = "multi-turn rollouts are not implemented yet (issue 18): one sampled answer per prompt"
 NOT_CLIPPED = "advantages are not clipped after normalisation"
 NO_EARLY_STOP = "no early stop on a validation metric: the run ends at grpo.max_num_steps or grpo.max_num_epochs"
 
 ALGORITHM_RULES: Table = {
-    "grpo.max_rollout_turns": NeutralOnly((1,), NO_MULTI_TURN),
     "grpo.val_start_at": Derive(_val_start_at, "no delay: periodic validation starts at step grpo.val_period"),
     "grpo.val_at_end": NeutralOnly((False,), "no validation after the last step: it runs at grpo.val_at_start and "
                                              "every grpo.val_period steps"),
@@ -155,7 +154,9 @@ ALGORITHM_RULES: Table = {
     "grpo.seq_logprob_error_threshold": NeutralOnly((None,), "no masking of whole sequences by their train/generation "
                                                              "log-prob error; the mismatch is corrected per token by "
                                                              "loss_fn.truncated_importance_sampling_*"),
-    "grpo.invalid_tool_call_advantage": NeutralOnly((None,), "no tool calls to flag: " + NO_MULTI_TURN),
+    "grpo.invalid_tool_call_advantage": NeutralOnly((None,), "a malformed tool call is answered with an error "
+                                                             "message and trained like any turn; no advantage "
+                                                             "override"),
     "grpo.malformed_thinking_advantage": NeutralOnly((None,), "no token is flagged for malformed <think> tags "
                                                               "(NeMo-Gym's rollout flags); rewards come from the env's "
                                                               "reward functions"),

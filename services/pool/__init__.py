@@ -39,6 +39,7 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
     http = {"host": recipe.rollout_pool.http_host, "port": recipe.rollout_pool.http_port or free_port()}
     serve.start(http_options=http)
     try:
+        recipe = _with_served_environment(recipe)
         handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
                            name=name, route_prefix="/", blocking=False)
         status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
@@ -48,11 +49,39 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
         why = reason(exc)
     if why is not None:
         remove_pool(name, recipe.rollout_pool.num_engines)
+        _shutdown_served_environment(name)
         release(name)
         raise PoolStartError(f"rollout pool {name!r} did not start: {why} (its Serve application, engines and "
                              f"placement group were removed)")
     status["http"] = f"http://{http['host']}:{http_port()}"
     return status
+
+
+def served_environment_name(pool_name: str) -> str:
+    """The Serve application suffix of a pool's served environment (``inflight-env-<pool>``)."""
+    return pool_name
+
+
+def _with_served_environment(recipe: Recipe) -> Recipe:
+    """For ``env.<data.env_name>.serve: true``: deploy the environment class as its own Serve application (
+    ``serve_replicas`` replicas) and return the recipe the engines get, whose section calls it by ``url``."""
+    from services.pool.env_server import deploy_environment
+
+    name = recipe.data.env_name
+    if name is None or not (e := recipe.env.named[name]).serve:
+        return recipe
+    assert e.environment is not None
+    url = deploy_environment(served_environment_name(recipe.rollout_pool.name), e.environment,
+                             e.environment_kwargs, num_replicas=e.serve_replicas)
+    data = recipe.model_dump(mode="json")
+    data["env"][name].update(url=url, serve=False, environment=None)
+    return type(recipe).model_validate(data)
+
+
+def _shutdown_served_environment(pool_name: str) -> None:
+    from services.pool.env_server import shutdown_environment
+
+    shutdown_environment(served_environment_name(pool_name))
 
 
 def connect(name: str) -> Any:
@@ -80,4 +109,5 @@ def shutdown(name: str) -> None:
     handle = connect(name)
     handle.shutdown_engines.remote().result(timeout_s=300)
     serve.delete(name)
+    _shutdown_served_environment(name)  # nothing if the pool serves none
     release(name)

@@ -29,6 +29,7 @@ from services.model_files import ModelFiles
 from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
+    from rollout.env_registry import EnvironmentSpec
     from services.config import Recipe
 
 log = logging.getLogger("inflight.engine")
@@ -50,6 +51,9 @@ class RewardEnvSpec:
         name = recipe.data.env_name
         if name is None:
             return None
+        section = recipe.env.named.get(name)
+        if section is not None and section.episodic and section.environment != "tool_calls":
+            return None  # the environment gives the reward itself; no reward workers to start
         named = recipe.env.named
         if name not in named:
             raise ValueError(f"data.env_name ({name!r}): no section env.{name} (have {sorted(named)})")
@@ -61,6 +65,22 @@ class RewardEnvSpec:
         from rollout.reward_env import reward_env_from_config
 
         return reward_env_from_config(self.name, self.functions, self.num_workers, self.timeout_s)
+
+
+def environment_spec(recipe: Recipe, served_url: str | None = None) -> EnvironmentSpec | None:
+    """The environment that plays episodes for ``data.env_name`` (``env.<name>.environment`` or ``url``), or
+    None (single turn). ``served_url``: where the pool deployed the section's ``serve: true`` environment."""
+    from rollout.env_registry import EnvironmentSpec
+
+    name = recipe.data.env_name
+    if name is None or not (e := recipe.env.named[name]).episodic:
+        return None
+    if e.serve and served_url is None:
+        raise ValueError(f"env.{name}.serve: the pool has not deployed the environment (no URL yet)")
+    url = served_url if e.serve else e.url
+    return EnvironmentSpec(name, None if url is not None else e.environment, dict(e.environment_kwargs), url,
+                           tuple(e.tools), e.max_tool_calls, e.step_timeout_s, e.max_concurrent_calls, e.max_retries,
+                           e.retry_backoff_s, e.truncated_reward)
 
 
 @dataclass(frozen=True)
@@ -82,14 +102,34 @@ class EngineSpec:
     """Longest a send waits for room in the learner's channel."""
     reward_env: RewardEnvSpec | None = None
     """The named reward environment (several weighted functions in worker processes); None: ``reward_fn``."""
+    environment: EnvironmentSpec | None = None
+    """The environment that plays multi-turn episodes (its final answers scored by ``reward_env``); None:
+    one sampled answer per prompt."""
+    max_rollout_turns: int = 1
+    """``grpo.max_rollout_turns``."""
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles) -> EngineSpec:
+    def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles,
+                    served_env_url: str | None = None) -> EngineSpec:
         a = recipe.grpo.async_grpo
         return cls(engine_id, model_path, recipe.policy.generation, recipe.policy.max_total_sequence_length,
                    recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
                    a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s,
-                   RewardEnvSpec.from_recipe(recipe))
+                   RewardEnvSpec.from_recipe(recipe), environment_spec(recipe, served_env_url),
+                   recipe.grpo.max_rollout_turns)
+
+
+def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
+    """A fresh engine with its reward (``env.<name>``'s workers, or ``env.reward_fn``) and, for multi-turn
+    sections, the environment that plays its episodes."""
+    reward_fn = spec.reward_env.build() if spec.reward_env is not None else get_reward_fn(spec.reward_fn)
+    if spec.environment is None:
+        return new_engine(reward_fn=reward_fn)
+    from rollout.env_registry import build_environment
+
+    timeout_s = spec.reward_env.timeout_s if spec.reward_env is not None else spec.reward_timeout_s
+    return new_engine(reward_fn=reward_fn, environment=build_environment(spec.environment, reward_fn, timeout_s),
+                      max_rollout_turns=spec.max_rollout_turns, truncated_reward=spec.environment.truncated_reward)
 
 
 class EngineActor:
@@ -105,9 +145,7 @@ class EngineActor:
             recompute_kv_cache_after_weight_updates=spec.recompute_kv, in_flight_weight_updates=spec.in_flight,
             reward_timeout_s=spec.reward_timeout_s)
         # each vLLM incarnation gets its own reward environment (its workers stop with that engine's shutdown)
-        env = spec.reward_env
-        self._new_engine = lambda: new_engine(
-            reward_fn=env.build() if env is not None else get_reward_fn(spec.reward_fn))
+        self._new_engine = lambda: _engine_with_environment(spec, new_engine, get_reward_fn)
         self.engine = self._new_engine()
         self.channel_timeout_s = spec.channel_timeout_s
         self._tasks: set[asyncio.Task] = set()

@@ -30,6 +30,18 @@ STEP_GAUGES = {
     "val_pass_at_k": ("inflight_val_pass_at_k", "pass@k (k = grpo.val_num_generations) of the last validation"),
 }
 """Step-row keys shown as one gauge each: key -> (metric name, help)."""
+ENV_COUNTERS = {
+    "episodes": ("inflight_env_episodes", "Episodes an environment played to the end (done, truncated or failed)"),
+    "turns": ("inflight_env_turns", "Sampled turns answered by an environment"),
+    "env_tokens": ("inflight_env_tokens", "Environment tokens appended to episodes (context, never trained)"),
+    "env_failures": ("inflight_env_failed_samples", "Samples failed by their environment (error, timeout, bad "
+                     "answer; never scored 0)"),
+    "episodes_truncated": ("inflight_env_truncated_episodes", "Episodes cut by grpo.max_rollout_turns or the "
+                           "context before the environment ended them"),
+    "env_wait_seconds": ("inflight_env_wait_seconds", "Seconds samples spent waiting for their environment"),
+}
+"""An engine's per-environment counters (``RolloutEngine.stats()["env"]``) -> (metric name, help); each is
+labelled ``env``."""
 
 
 class PoolMetrics:
@@ -84,6 +96,12 @@ class PoolMetrics:
         self.dynamic_sampling_exhausted = Counter(
             "inflight_dynamic_sampling_exhausted_groups", "Zero-advantage groups trained because dynamic sampling "
             "reached grpo.dynamic_sampling_max_gen_batches", registry=r)
+
+        self.env_counters = {key: Counter(name, doc, ["env"], registry=r) for key, (name, doc) in ENV_COUNTERS.items()}
+        self.env_calls = Counter("inflight_env_calls", "Calls to an environment server by outcome (ok, timeout, "
+                                 "http_5xx, http_4xx, malformed, connection)", ["env", "outcome"], registry=r)
+        self.env_retries = Counter("inflight_env_retries", "Environment server calls made again after a timeout, a "
+                                   "connection error or an HTTP 5xx", ["env"], registry=r)
 
     def record_step(self, report: dict) -> None:
         """Fold in one learner step report (see ``LearnerJob.report``)."""

@@ -127,13 +127,23 @@ class HealthWatcher:
         """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted
         engine starts from zero again)."""
         now_in = stats.get("incarnation", stats.get("pid"))
-        seen = self._counted.setdefault(eid, {"incarnation": now_in, "tokens": 0, "groups": 0})
+        seen = self._counted.setdefault(eid, {"incarnation": now_in})
         if seen["incarnation"] != now_in:
-            seen.update(incarnation=now_in, tokens=0, groups=0)
+            seen.clear()
+            seen["incarnation"] = now_in
         metrics = self.fleet.metrics
-        for key, stat, counter in (("tokens", "tokens_generated", metrics.generation_tokens),
-                                   ("groups", "groups", metrics.groups_generated)):
-            now = int(stats.get(stat, 0))
-            if now > seen[key]:
-                counter.inc(now - seen[key])
+        counters = [(key, stats.get(stat, 0), counter) for key, stat, counter in (
+            ("tokens", "tokens_generated", metrics.generation_tokens), ("groups", "groups", metrics.groups_generated))]
+        if env := stats.get("env"):  # {"name", counters..., "calls": {outcome: n}, "retries"}
+            label = {"env": str(env["name"])}
+            counters += [(f"env:{key}", env[key], metrics.env_counters[key].labels(**label))
+                         for key in metrics.env_counters if key in env]
+            counters += [(f"env:calls:{outcome}", n, metrics.env_calls.labels(outcome=outcome, **label))
+                         for outcome, n in env.get("calls", {}).items()]
+            if "retries" in env:
+                counters.append(("env:retries", env["retries"], metrics.env_retries.labels(**label)))
+        for key, now, counter in counters:
+            before = seen.get(key, 0)
+            if now > before:
+                counter.inc(now - before)
             seen[key] = now

@@ -72,7 +72,8 @@ def test_grpo_math_1b_maps_to_inflight_values():
     assert loss.ratio_clip_c is None and loss.truncated_importance_sampling_ratio is None
     assert not loss.use_importance_sampling_correction and not loss.force_on_policy_ratio
     ignored = {i.source for i in report.ignored}
-    assert {"grpo.max_rollout_turns", "grpo.adv_estimator.name", "loss_fn.token_level_loss",
+    assert g.max_rollout_turns == 1 and "grpo.max_rollout_turns" not in ignored   # the same key, as written
+    assert {"grpo.adv_estimator.name", "loss_fn.token_level_loss",
             "loss_fn.truncated_importance_sampling_type", "grpo.batch_multiplier"} <= ignored
 
 
@@ -113,9 +114,6 @@ def _refusal(name: str, changes: dict[str, Any]) -> TranslationError:
 
 
 @pytest.mark.parametrize(("changes", "path", "message"), [
-    ({"grpo.max_rollout_turns": 3}, "grpo.max_rollout_turns",
-     "3 is not supported (multi-turn rollouts are not implemented yet (issue 18): one sampled answer per prompt); "
-     "expected 1"),
     ({"grpo.adv_estimator.name": "reinforce_plus_plus"}, "grpo.adv_estimator.name",
      "'reinforce_plus_plus' is not supported (only the GRPO group baseline is implemented (gdpo, reinforce_plus_plus, "
      "opd are not)); expected 'grpo'"),

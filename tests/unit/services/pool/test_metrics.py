@@ -29,3 +29,28 @@ def test_step_statistics_reach_their_gauges():
     assert got[("inflight_dynamic_sampling_attempts", ())] == 1.75
     assert got[("inflight_dynamic_sampling_exhausted_groups_total", ())] == 3.0
     assert got[("inflight_reward_mean", ())] == 0.5 and got[("inflight_learner_step", ())] == 4
+
+
+def test_an_engines_environment_counters_reach_metrics_by_environment_as_deltas():
+    from pool_fakes import FakeEngine, pool_of
+
+    p = pool_of({"e0": FakeEngine(ok=True)})
+    env = {"name": "judge", "episodes": 4, "turns": 9, "env_tokens": 120, "env_failures": 1, "episodes_truncated": 2,
+           "env_wait_seconds": 0.5, "calls": {"ok": 12, "timeout": 1, "http_5xx": 2}, "retries": 3}
+    p.watcher._count("e0", {"incarnation": "1.1", "tokens_generated": 50, "groups": 2, "env": env})
+    p.watcher._count("e0", {"incarnation": "1.1", "tokens_generated": 60, "groups": 3,
+                            "env": dict(env, episodes=6, calls={"ok": 15, "timeout": 1, "http_5xx": 2})})
+    p.watcher._count("e0", {"incarnation": "1.2", "tokens_generated": 5, "groups": 1,  # vLLM restarted: from 0
+                            "env": {"name": "judge", "episodes": 1, "calls": {"malformed": 1}}})
+    got = samples(p.fleet.metrics)
+    judge = (("env", "judge"),)
+    assert got[("inflight_env_episodes_total", judge)] == 7
+    assert got[("inflight_env_turns_total", judge)] == 9 and got[("inflight_env_tokens_total", judge)] == 120
+    assert got[("inflight_env_failed_samples_total", judge)] == 1
+    assert got[("inflight_env_truncated_episodes_total", judge)] == 2
+    assert got[("inflight_env_wait_seconds_total", judge)] == 0.5
+    assert got[("inflight_env_calls_total", (("env", "judge"), ("outcome", "ok")))] == 15
+    assert got[("inflight_env_calls_total", (("env", "judge"), ("outcome", "http_5xx")))] == 2
+    assert got[("inflight_env_calls_total", (("env", "judge"), ("outcome", "malformed")))] == 1
+    assert got[("inflight_env_retries_total", judge)] == 3
+    assert got[("inflight_generation_tokens_total", ())] == 65

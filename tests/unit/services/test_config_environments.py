@@ -1,0 +1,81 @@
+"""The recipe's environment sections (``env.<name>.environment`` / ``url`` / ``serve``) and
+``grpo.max_rollout_turns``: what loads, what is refused and with which words, and what an engine is built from."""
+from __future__ import annotations
+
+import pytest
+
+from rollout.env_registry import EnvironmentSpec, build_environment, load_environment_class, tool_schemas
+from services.config import RecipeError, load_recipe
+from services.pool.engine_actor import EngineSpec, RewardEnvSpec, environment_spec
+
+
+def test_a_multi_turn_section_becomes_the_engines_environment_spec():
+    r = load_recipe(None, ["env.calc.environment=tool_calls", "env.calc.tools=[calculator]",
+                           "env.calc.max_tool_calls=3", "env.calc.reward_functions=[{name: math_exact}]",
+                           "grpo.max_rollout_turns=4", "env.calc.truncated_reward=null"])
+    spec = EngineSpec.from_recipe(r, "e0", "/model")
+    assert spec.max_rollout_turns == 4
+    assert spec.environment == EnvironmentSpec("calc", "tool_calls", {}, None, ("calculator",), 3, 30.0, 64, 2, 0.5,
+                                               None)
+    assert spec.reward_env is not None and spec.reward_env.functions == (("math_exact", 1.0),)
+
+
+def test_an_environment_that_scores_itself_starts_no_reward_workers():
+    r = load_recipe(None, ["env.relay.environment=letter_relay", "grpo.max_rollout_turns=3"])
+    assert RewardEnvSpec.from_recipe(r) is None
+    assert environment_spec(r) is not None
+
+
+def test_a_single_turn_section_has_no_environment():
+    r = load_recipe(None, ["env.math.reward_functions=[{name: math_exact}]"])
+    assert environment_spec(r) is None
+    assert EngineSpec.from_recipe(r, "e0", "/model").max_rollout_turns == 1
+
+
+def test_a_served_environment_needs_the_pools_url():
+    r = load_recipe(None, ["env.game.environment=my_pkg.game:Game", "env.game.serve=true"])
+    with pytest.raises(ValueError, match="has not deployed"):
+        environment_spec(r)
+    spec = environment_spec(r, "http://127.0.0.1:8000/env/game")
+    assert spec is not None and spec.url == "http://127.0.0.1:8000/env/game" and spec.environment is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["grpo.max_rollout_turns=3"], "grpo.max_rollout_turns (3) > 1 needs an environment"),
+    (["grpo.max_rollout_turns=0"], "greater than or equal to 1"),
+    (["env.x.environment=tool_calls"], "needs at least one of tools"),
+    (["env.x.tools=[calculator]"], "shown in the prompt and run by environment: tool_calls or a server"),
+    (["env.x.tools=[search]", "env.x.environment=tool_calls"], "calculator"),
+    (["env.x.url=http://h:1", "env.x.environment=tool_calls", "env.x.tools=[calculator]"], "excludes environment"),
+    (["env.x.url=ftp://h"], "expected http:// or https://"),
+    (["env.x.serve=true"], "serve: true needs environment"),
+    (["env.x.serve=true", "env.x.environment=tool_calls", "env.x.tools=[calculator]"], "runs in the engines"),
+    (["env.x.step_timeout_s=0", "env.x.url=http://h:1"], "greater than 0"),
+])
+def test_bad_environment_sections_are_refused_with_the_key(overrides, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, overrides)
+    assert words in str(err.value)
+
+
+def test_registry_builds_tool_calls_and_refuses_unknown_classes():
+    spec = EnvironmentSpec("calc", "tool_calls", tools=("calculator",), max_tool_calls=2)
+    env = build_environment(spec, reward_fn=lambda batch: [1.0] * len(batch), reward_timeout_s=5.0)
+    assert env.name == "calc" and env.timeout_s == 30.0
+    assert [s["function"]["name"] for s in tool_schemas(["calculator"])] == ["calculator"]
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod': ModuleNotFoundError"):
+        load_environment_class("no_such_pkg.mod:Env")
+    with pytest.raises(ValueError, match="has no class 'Nope'"):
+        load_environment_class("rollout.environment:Nope")
+    with pytest.raises(ValueError, match="expected 'tool_calls'"):
+        load_environment_class("nothing")
+    bad = EnvironmentSpec("g", "rollout.environment:SingleTurnEnvironment", kwargs={"no_such_kwarg": 1})
+    with pytest.raises(ValueError, match=r"env\.g: rollout\.environment:SingleTurnEnvironment\(\*\*environment_kw"):
+        build_environment(bad, reward_fn=lambda b: [0.0] * len(b), reward_timeout_s=5.0)
+
+
+def test_a_server_call_deadline_covers_every_attempt_and_back_off():
+    spec = EnvironmentSpec("s", url="http://h:1", step_timeout_s=2.0, max_retries=2, retry_backoff_s=0.5)
+    assert spec.call_deadline_s > 2.0 * 3 + 0.5 + 1.0
+    with pytest.raises(ValueError, match="exactly one of environment and url"):
+        EnvironmentSpec("s")
