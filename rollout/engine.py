@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
+from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
+from rollout.environment import BoundedEnvironment
 from rollout.errors import EngineError, bounded
 from rollout.install import Installer
 from rollout.kv_stats import KvCounters, build_async_llm
@@ -43,12 +45,18 @@ class RolloutEngine:
                  reward_fn: RewardFn, engine_id: str = "0", initial_version: int = 0, *,
                  recompute_kv_cache_after_weight_updates: bool = False, in_flight_weight_updates: bool = True,
                  reward_timeout_s: float = 30.0,
-                 start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0):
+                 start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0,
+                 environment: BoundedEnvironment | None = None, max_rollout_turns: int = 1,
+                 truncated_reward: float | None = 0.0):
         if max_model_len < 16:
             raise ValueError(f"max_model_len: expected >= 16, got {max_model_len}")
         if generation.max_new_tokens > max_model_len:
             raise ValueError(f"policy.generation.max_new_tokens ({generation.max_new_tokens}) must be <= "
                              f"max_model_len ({max_model_len})")
+        if isinstance(max_rollout_turns, bool) or not isinstance(max_rollout_turns, int) or max_rollout_turns < 1:
+            raise ValueError(f"grpo.max_rollout_turns: expected an int >= 1, got {max_rollout_turns!r}")
+        if truncated_reward is not None and not np.isfinite(truncated_reward):
+            raise ValueError(f"truncated_reward: expected a finite number or None, got {truncated_reward!r}")
         if initial_version < 0:
             raise ValueError(f"initial_version: expected >= 0, got {initial_version}")
         for name, value in (("reward_timeout_s", reward_timeout_s), ("start_timeout_s", start_timeout_s),
@@ -72,11 +80,13 @@ class RolloutEngine:
                                     in_flight=in_flight_weight_updates, timeout_s=weight_update_timeout_s)
         self.sampler = GroupSampler(engine_id, generation, reward_fn, reward_timeout_s, self.labels, max_model_len,
                                      llm=self._require_started, version=lambda: self.installer.version,
-                                     dead_reason=self.dead_reason)
+                                     dead_reason=self.dead_reason, environment=environment,
+                                     max_turns=max_rollout_turns, truncated_reward=truncated_reward)
 
     # ------------------------------------------------------------------ settings read at every call
     # The parts hold the settings that may change between calls: ``sampler.generation``, ``sampler.reward_fn``,
-    # ``sampler.reward_timeout_s``, ``installer.recompute_kv_cache_after_weight_updates``, ``labels.streamed``.
+    # ``sampler.reward_timeout_s``, ``sampler.environment``, ``sampler.max_turns``, ``sampler.truncated_reward``,
+    # ``installer.recompute_kv_cache_after_weight_updates``, ``labels.streamed``.
     @property
     def generation(self) -> GenerationConfig:
         """Sampling settings; read at every request, so changes apply to the next one."""
@@ -101,6 +111,7 @@ class RolloutEngine:
         os.environ.update(options.env)
         self.installer.expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.sampler.chat_turns = ChatTurns(self._tokenizer)
         engine_args = AsyncEngineArgs(**options.engine_args)
         children_before = EngineProcesses.before_start()
         build = asyncio.get_running_loop().run_in_executor(None, build_async_llm, engine_args, self._kv)
@@ -170,11 +181,28 @@ class RolloutEngine:
         return self._options
 
     def stats(self) -> dict:
-        """Counters: groups, samples, tokens, running requests, retries, aborts, installs and their cost,
-        and vLLM's preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
+        """Counters: groups, samples, tokens, running requests, retries, aborts, episodes (turns, environment
+        tokens, failures, truncations, time awaiting the environment), installs and their cost, and vLLM's
+        preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
         out: dict[str, Any] = {**vars(self.sampler.stats), **vars(self.installer.stats)}
         out.update(sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, version=self.version,
                    engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats())
+        if (env := self.sampler.environment) is not None:
+            out["env"] = self._env_stats(env)
+        return out
+
+    def _env_stats(self, env: Any) -> dict[str, Any]:
+        """The environment's counters for the pool's metrics: the episode counters, and for a server its calls
+        by outcome (:class:`rollout.env_http.EnvCallStats`) and retries."""
+        s = self.sampler.stats
+        out: dict[str, Any] = {"name": env.name, "episodes": s.episodes, "turns": s.turns, "env_tokens": s.env_tokens,
+                               "env_failures": s.env_failures, "episodes_truncated": s.episodes_truncated,
+                               "env_wait_seconds": s.env_wait_seconds}
+        calls = getattr(env.env, "stats", None)
+        if calls is not None and hasattr(calls, "retries"):
+            outcomes = ("ok", "failed_step", "timeout", "http_5xx", "http_4xx", "malformed", "connection")
+            out["calls"] = {o: int(getattr(calls, o)) for o in outcomes}
+            out["retries"] = int(calls.retries)
         return out
 
     def dead_reason(self) -> str:
@@ -185,7 +213,8 @@ class RolloutEngine:
     async def generate_group(self, request: PromptRequest, group_size: int,
                              temperature: float | None = None) -> TrajectoryGroup:
         """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
-        overrides ``generation.temperature`` (0: greedy)."""
+        overrides ``generation.temperature`` (0: greedy). With an ``environment``, each answer is an episode of
+        up to ``max_rollout_turns`` turns (:mod:`rollout.episode`)."""
         if group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {group_size}")
         self._require_started()

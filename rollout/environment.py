@@ -59,6 +59,9 @@ class Turn:
 
     text: str
     token_ids: tuple[int, ...] = ()
+    final: bool = False
+    """No further turn will be sampled after this one (``grpo.max_rollout_turns`` reached or the context is
+    nearly full): answer done."""
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))  # the engine's lists are welcome too
@@ -197,8 +200,14 @@ class BoundedEnvironment:
         if not isinstance(got, EnvStep):
             return EnvStep.failed(f"environment {self.name!r}: step returned {_short(got)}, expected an EnvStep")
         if got.failure is not None:
-            return EnvStep.failed(f"environment {self.name!r}: {got.failure}", got.info)
+            if got.failure.startswith(self._prefix):  # a server client names the environment already
+                return got
+            return EnvStep.failed(f"{self._prefix}{got.failure}", got.info)
         return got
+
+    @property
+    def _prefix(self) -> str:
+        return f"environment {self.name!r}: "
 
     async def _call(self, what: str, method: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -206,6 +215,8 @@ class BoundedEnvironment:
         except TimeoutError:
             raise _Failed(f"{what} timed out after {self.timeout_s:g}s") from None
         except Exception as exc:  # noqa: BLE001 -- any error of the environment fails the sample, with its text
+            if str(exc).startswith(self._prefix):  # a server client's reason, naming the environment already
+                raise _Failed(str(exc)[len(self._prefix):]) from None
             raise _Failed(f"{what} raised {type(exc).__name__}: {exc}") from None
 
     async def _run(self, method: Callable[..., Any], *args: Any) -> Any:

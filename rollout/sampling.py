@@ -6,6 +6,7 @@ A failed attempt (timeout, vLLM abort, error) is retried up to
 ``generation.max_retries`` times; a sample that still fails, or that the
 reward function cannot score, is returned with ``finish_reason="error"`` and
 ``reward=None``, never with reward 0. docs/rollout.md ("Groups") has the rules.
+With an ``environment`` set, each sample is a multi-turn episode instead (:mod:`rollout.episode`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import asyncio
 import itertools
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,10 @@ from typing import Any
 import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
+from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
+from rollout.environment import BoundedEnvironment
+from rollout.episode import failed_trajectory, play_group
 from rollout.errors import EngineError
 from rollout.labels import VersionLabels
 from rollout.liveness import EngineDead
@@ -38,8 +42,8 @@ class SampleFailed(Exception):
 
 
 @dataclass
-class _Sample:
-    """What one finished request gave back."""
+class SampledTurn:
+    """What one finished request gave back: a single-turn answer, or one turn of an episode."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -73,14 +77,28 @@ class SamplingStats:
     """Samples whose reward could not be computed (they fail, never score 0)."""
     reward_timeouts: int = 0
     """Reward calls killed at ``env.<name>.timeout_s`` in a named environment's worker processes."""
+    episodes: int = 0
+    """Samples played as environment episodes (every sample of a group, when ``environment`` is set)."""
+    turns: int = 0
+    """Turns sampled in episodes."""
+    env_tokens: int = 0
+    """Environment tokens appended to episodes (loss mask 0)."""
+    env_failures: int = 0
+    """Samples failed by the environment (a failed reset or step, or a group's differing openings)."""
+    episodes_truncated: int = 0
+    """Episodes ended by ``grpo.max_rollout_turns`` or ``max_model_len`` before the environment was done."""
+    env_wait_seconds: float = 0.0
+    """Time spent awaiting the environment's ``reset`` / ``step``, summed over samples (they overlap)."""
 
 
 class GroupSampler:
-    """Samples and scores groups; ``generation``, ``reward_fn`` and ``reward_timeout_s`` are read at every call."""
+    """Samples and scores groups; ``generation``, ``reward_fn``, ``reward_timeout_s``, ``environment``,
+    ``max_turns`` and ``truncated_reward`` are read at every call."""
 
     def __init__(self, engine_id: str, generation: GenerationConfig, reward_fn: RewardFn, reward_timeout_s: float,
                  labels: VersionLabels, max_model_len: int, llm: Callable[[], Any], version: Callable[[], int],
-                 dead_reason: Callable[[], str]):
+                 dead_reason: Callable[[], str], environment: BoundedEnvironment | None = None,
+                 max_turns: int = 1, truncated_reward: float | None = 0.0):
         self.engine_id = engine_id
         self.max_model_len = max_model_len
         """Prompt + answer tokens of one sequence: an answer gets ``min(max_new_tokens, max_model_len - prompt)``."""
@@ -88,6 +106,16 @@ class GroupSampler:
         self.reward_fn = reward_fn
         self.reward_timeout_s = reward_timeout_s
         self.labels = labels
+        self.environment = environment
+        """Plays each sample as a multi-turn episode (:mod:`rollout.episode`); None: one answer scored by
+        ``reward_fn``."""
+        self.max_turns = max_turns
+        """``grpo.max_rollout_turns``: the most turns an episode samples."""
+        self.truncated_reward = truncated_reward
+        """The reward of an episode cut by ``max_turns`` or ``max_model_len`` before the environment was done
+        (its finish reason is ``"length"``); None: such an episode fails."""
+        self.chat_turns: ChatTurns | None = None
+        """Renders and tokenizes environment messages (set at engine start, from the engine's tokenizer)."""
         self._llm = llm
         """The started engine (raises if it is not started or has died)."""
         self._version = version
@@ -106,12 +134,15 @@ class GroupSampler:
     async def group(self, request: PromptRequest, group_size: int,
                     temperature: float | None = None) -> TrajectoryGroup:
         """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
-        overrides ``generation.temperature`` (validation; 0 is greedy)."""
+        overrides ``generation.temperature`` (validation; 0 is greedy). With an ``environment``, each sample is an
+        episode (:func:`rollout.episode.play_group`)."""
+        if self.environment is not None:
+            return await play_group(self, self.environment, request, group_size, temperature)
         results = await asyncio.gather(*(self._sample_with_retries(request, i, temperature)
                                          for i in range(group_size)))
-        if any(isinstance(r, SampleFailed) for r in results) and (reason := self._dead_reason()):
-            raise EngineDead(f"rollout engine {self.engine_id}: {reason} (prompt {request.prompt_id})")
-        done = [(i, r) for i, r in enumerate(results) if isinstance(r, _Sample)]
+        if any(isinstance(r, SampleFailed) for r in results):
+            self.check_alive(request.prompt_id)
+        done = [(i, r) for i, r in enumerate(results) if isinstance(r, SampledTurn)]
         scores = await score_samples(self.reward_fn, [RewardInput(s.text, list(s.token_ids), dict(request.task))
                                                       for _, s in done],
                                      self.reward_timeout_s, self._reward_pool)
@@ -121,10 +152,10 @@ class GroupSampler:
         score_of = {i: score for (i, _), score in zip(done, scores, strict=True)}
         for i, result in enumerate(results):
             if isinstance(result, SampleFailed):
-                trajectories.append(_failed(str(result)))
+                trajectories.append(failed_trajectory(str(result)))
                 self.stats.samples_failed += 1
             elif isinstance(score := score_of[i], RewardFailure):
-                trajectories.append(_failed(f"reward: {score.reason}"))
+                trajectories.append(failed_trajectory(f"reward: {score.reason}"))
                 self.stats.samples_failed += 1
                 self.stats.reward_failures += 1
             else:
@@ -133,12 +164,32 @@ class GroupSampler:
                                                reward_components=dict(score.components)))
                 self.stats.samples_ok += 1
                 self.stats.tokens_generated += len(result.token_ids)
+        return self.finish_group(request, request.prompt_ids, trajectories, group_size)
+
+    def finish_group(self, request: PromptRequest, prompt_ids: np.ndarray | list[int],
+                     trajectories: list[Trajectory], group_size: int) -> TrajectoryGroup:
+        """Count the group and wrap its ``trajectories``, sampled after ``prompt_ids``."""
         self.stats.groups += 1
         return TrajectoryGroup(group_id=f"{self.engine_id}:{request.prompt_id}:{self.stats.groups}",
-                               prompt_id=request.prompt_id, prompt_ids=request.prompt_ids,
+                               prompt_id=request.prompt_id, prompt_ids=np.asarray(prompt_ids),
                                trajectories=trajectories, group_size=group_size, vocab_size=self.vocab_size,
                                scheduled_step=request.scheduled_step, engine_id=self.engine_id,
                                created_at=time.time())
+
+    def check_alive(self, prompt_id: str) -> None:
+        """After a sample failed: :class:`EngineDead` if the engine itself has died (the group is not returned)."""
+        if reason := self._dead_reason():
+            raise EngineDead(f"rollout engine {self.engine_id}: {reason} (prompt {prompt_id})")
+
+    async def sample_turn(self, token_ids: list[int], budget: int, prompt_id: str, index: int, turn: int,
+                          temperature: float | None = None) -> SampledTurn | SampleFailed:
+        """Turn ``turn`` of sample ``index``: at most ``budget`` tokens after ``token_ids`` (the prompt and the
+        episode so far), retried like a single-turn sample; each attempt's seed is made from (engine seed,
+        ``prompt_id``, ``index``, ``turn``, attempt). The failure, once retries run out, is returned."""
+        async def attempt(n: int) -> SampledTurn:
+            seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{prompt_id}:{index}:{turn}:{n}".encode())
+            return await self._generate(token_ids, budget, seed, temperature)
+        return await self._retrying(attempt)
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
         """The engine's log-prob of each response token given its prompt and the tokens before it."""
@@ -206,18 +257,23 @@ class GroupSampler:
         return final
 
     async def _sample_once(self, request: PromptRequest, index: int, attempt: int,
-                           temperature: float | None = None) -> _Sample:
+                           temperature: float | None = None) -> SampledTurn:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
-        request_id = self._new_request_id()
         budget = min(self.generation.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         if budget < 1:
             raise SampleFailed(f"prompt of {len(request.prompt_ids)} tokens leaves no room for an answer "
                                f"(max_model_len {self.max_model_len})")
+        return await self._generate(request.prompt_ids.tolist(), budget, seed, temperature)
+
+    async def _generate(self, token_ids: list[int], budget: int, seed: int,
+                        temperature: float | None = None) -> SampledTurn:
+        """One attempt: at most ``budget`` tokens after ``token_ids``, with their log-probs and versions."""
+        request_id = self._new_request_id()
         streamed = self.labels.open(request_id, self._version())
         params = self._sampling_params(seed, max_tokens=budget, stream=streamed is not None,
                                        temperature=temperature, logprobs=0)
         try:
-            out = await self._run_request(request.prompt_ids.tolist(), params, self.generation.request_timeout_s,
+            out = await self._run_request(token_ids, params, self.generation.request_timeout_s,
                                           streamed, request_id)
         except (SampleFailed, EngineDead):
             raise
@@ -229,7 +285,7 @@ class GroupSampler:
         if c.finish_reason not in ("stop", "length"):
             raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
         if streamed is not None:
-            return _Sample(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
+            return SampledTurn(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
                            "".join(streamed.text))
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
@@ -240,22 +296,21 @@ class GroupSampler:
             versions = self.labels.span_versions(c, len(ids))
         except ValueError as exc:
             raise SampleFailed(str(exc)) from None
-        return _Sample(ids, lps, versions, c.finish_reason, c.text)
+        return SampledTurn(ids, lps, versions, c.finish_reason, c.text)
 
     async def _sample_with_retries(self, request: PromptRequest, index: int,
-                                   temperature: float | None = None) -> _Sample | SampleFailed:
+                                   temperature: float | None = None) -> SampledTurn | SampleFailed:
+        return await self._retrying(lambda attempt: self._sample_once(request, index, attempt, temperature))
+
+    async def _retrying(self, attempt_once: Callable[[int], Awaitable[SampledTurn]]) -> SampledTurn | SampleFailed:
         failure = SampleFailed("not attempted")
         for attempt in range(self.generation.max_retries + 1):
             if attempt:
                 self.stats.retries += 1
             try:
-                return await self._sample_once(request, index, attempt, temperature)
+                return await attempt_once(attempt)
             except SampleFailed as exc:
                 self.stats.attempts_failed += 1
                 failure = exc
         return SampleFailed(f"{failure} (after {self.generation.max_retries + 1} attempts)")
 
-
-def _failed(reason: str) -> Trajectory:
-    empty = np.zeros(0, np.int32)
-    return Trajectory(empty, np.zeros(0, np.float32), empty, None, "error", reason)
