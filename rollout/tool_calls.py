@@ -219,9 +219,9 @@ class ToolEnvironment:
     async def step(self, state: ToolState, turn: Turn) -> EnvStep:
         calls = parse_tool_calls(turn.text)
         info: dict[str, str | float] = {"tool_calls": state.tool_calls}
-        if not calls or state.tool_calls + len(calls) > self.max_tool_calls:
-            if calls:
-                info["stop"] = "max_tool_calls"
+        if not calls or turn.final or state.tool_calls + len(calls) > self.max_tool_calls:
+            if calls:  # no turn may follow this one: its text is the final answer
+                info["stop"] = "last_turn" if turn.final else "max_tool_calls"
             return await score_turn(self.reward_fn, state.task, turn, self.reward_timeout_s, self.executor, info)
         state.tool_calls += len(calls)
         answers = [await _answer(self.tools, call) for call in calls]

@@ -10,16 +10,15 @@ import math
 import random
 import re
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from http_server import Server
 
 from rollout.env_http import EnvCallStats, EnvironmentCallError, HttpEnvironment, HttpState
 from rollout.environment import EnvStep, Message, Turn, as_async
@@ -64,28 +63,6 @@ raw = FastAPI()
 async def misbehave(key: str, endpoint: str, request: Request) -> Response:
     HITS[key] = HITS.get(key, 0) + 1
     return await BEHAVIOURS[key](endpoint, json.loads(await request.body()), HITS[key])
-
-
-class Server:
-    """uvicorn serving ``app`` in a thread, on a free port of 127.0.0.1."""
-
-    def __init__(self, app: Any):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")

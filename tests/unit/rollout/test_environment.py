@@ -200,6 +200,10 @@ class Broken:
             return EnvStep.failed("sandbox crashed")
         if self.mode == "bad_step":
             return EnvStep(reward=1.0)  # a reward before done: refused by EnvStep
+        if self.mode == "named_failure":  # what a server client answers: the environment named already
+            return EnvStep.failed("environment 'judge': POST /step: HTTP 500 after 3 attempts")
+        if self.mode == "named_raise":
+            raise RuntimeError("environment 'judge': POST /step: timed out after 2s (3 attempts)")
         raise AssertionError(self.mode)
 
 
@@ -208,6 +212,8 @@ class Broken:
     ("float", "environment 'judge': step returned float 0.0, expected an EnvStep"),
     ("own_failure", "environment 'judge': sandbox crashed"),
     ("bad_step", "environment 'judge': step raised ValueError: EnvStep.reward: only a done step has a reward"),
+    ("named_failure", "environment 'judge': POST /step: HTTP 500 after 3 attempts"),
+    ("named_raise", "environment 'judge': POST /step: timed out after 2s (3 attempts)"),
 ])
 def test_a_failing_step_is_a_failed_step_with_the_environment_named(mode, reason):
     got = run(as_async(Broken(mode), 5, name="judge").step({}, Turn("answer")))

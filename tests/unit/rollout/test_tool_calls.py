@@ -242,6 +242,13 @@ def test_the_call_budget_ends_the_episode_with_the_turn_scored():
     assert state.tool_calls == 2
 
 
+def test_the_last_turn_the_engine_allows_is_scored_even_with_calls():
+    state = ToolState({"answer": 21})
+    last = run(env_of().step(state, Turn(block(CALC) + " \\boxed{21}", final=True)))
+    assert (last.done, last.reward, last.info) == (True, 1.0, {"tool_calls": 0, "stop": "last_turn"})
+    assert state.tool_calls == 0  # the calls of a final turn are not run
+
+
 def test_a_crashing_tool_fails_the_sample_through_as_async_never_zero():
     got = run(as_async(env_of(), 5).step(ToolState({"answer": 1}), Turn(block('{"name": "crash", '
                                                                               '"arguments": {"x": "y"}}'))))
