@@ -79,3 +79,22 @@ def test_a_server_call_deadline_covers_every_attempt_and_back_off():
     assert spec.call_deadline_s > 2.0 * 3 + 0.5 + 1.0
     with pytest.raises(ValueError, match="exactly one of environment and url"):
         EnvironmentSpec("s")
+
+
+def test_the_complete_example_recipe_of_the_docs_loads_as_written(tmp_path):
+    import re
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    text = (root / "docs/environments.md").read_text()
+    block = re.search(r"```yaml\n(# recipes/guess.yaml\n.*?)```", text, re.S)
+    assert block, "docs/environments.md: no recipes/guess.yaml block"
+    shutil.copy(root / "recipes/tiny-cpu.yaml", tmp_path / "tiny-cpu.yaml")
+    (tmp_path / "guess.yaml").write_text(block.group(1))
+    r = load_recipe(str(tmp_path / "guess.yaml"))
+    spec = environment_spec(r)
+    assert spec is not None and spec.environment == "/srv/envs/guess.py:GuessNumber" and r.grpo.max_rollout_turns == 3
+    served = load_recipe(str(tmp_path / "guess.yaml"), ["env.guess.environment=null",
+                                                        "env.guess.url=http://127.0.0.1:8300"])
+    assert environment_spec(served) == EnvironmentSpec("guess", url="http://127.0.0.1:8300")
