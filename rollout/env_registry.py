@@ -75,19 +75,15 @@ def tool_schemas(names: Sequence[str]) -> list[dict[str, Any]]:
 
 def load_environment_class(path: str) -> type:
     """The class at a registered name or ``package.module:Class`` / ``/path/to/file.py:Class``."""
-    from rollout.rewards import _load_module
+    from rollout.rewards import import_attribute
 
     where = ENVIRONMENTS.get(path, path)
     if ":" not in where:
         raise ValueError(f"environment: expected {TOOL_CALLS!r}, one of {sorted(ENVIRONMENTS)} or 'module:Class' / "
                          f"'file.py:Class', got {path!r}")
-    module_path, _, attr = where.rpartition(":")
-    try:
-        module = _load_module(module_path)
-    except Exception as exc:  # noqa: BLE001 - any import failure is reported with the name
-        raise ValueError(f"environment {path!r}: cannot import {module_path!r}: {type(exc).__name__}: {exc}") from None
-    cls = getattr(module, attr, None)
+    cls = import_attribute(where, "environment")
     if not isinstance(cls, type):
+        module_path, _, attr = where.rpartition(":")
         raise ValueError(f"environment {path!r}: {module_path!r} has no class {attr!r}")
     return cls
 

@@ -46,15 +46,22 @@ def get_reward_fn(name: str) -> RewardFn:
     if ":" not in name:
         raise ValueError(f"reward function: expected one of {sorted(REWARD_FNS)} or 'module:function' / "
                          f"'file.py:function', got {name!r}")
+    fn = import_attribute(name, "reward function")
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r}: {name.rpartition(':')[0]!r} has no callable "
+                         f"{name.rpartition(':')[2]!r}")
+    return cast(RewardFn, fn)  # a user's function: its results are checked at every call (check_results)
+
+
+def import_attribute(name: str, what: str) -> object:
+    """The attribute ``attr`` of ``module:attr`` / ``file.py:attr`` (None if the module lacks it); a module that
+    cannot be imported is a ``ValueError`` naming ``what`` and ``name``."""
     where, _, attr = name.rpartition(":")
     try:
         module = _load_module(where)
     except Exception as exc:  # noqa: BLE001 - any import failure is reported with the name
-        raise ValueError(f"reward function {name!r}: cannot import {where!r}: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {name!r}: {where!r} has no callable {attr!r}")
-    return cast(RewardFn, fn)  # a user's function: its results are checked at every call (check_results)
+        raise ValueError(f"{what} {name!r}: cannot import {where!r}: {type(exc).__name__}: {exc}") from None
+    return getattr(module, attr, None)
 
 
 def _load_module(where: str):

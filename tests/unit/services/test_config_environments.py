@@ -98,3 +98,25 @@ def test_the_complete_example_recipe_of_the_docs_loads_as_written(tmp_path):
     served = load_recipe(str(tmp_path / "guess.yaml"), ["env.guess.environment=null",
                                                         "env.guess.url=http://127.0.0.1:8300"])
     assert environment_spec(served) == EnvironmentSpec("guess", url="http://127.0.0.1:8300")
+
+
+def test_a_served_environment_is_deployed_first_and_the_engines_get_its_url(monkeypatch):
+    import services.pool as pool_api
+    from services.pool import env_server
+
+    deployed: list[tuple] = []
+
+    def fake_deploy(name, path, kwargs, num_replicas=1, **_):
+        deployed.append((name, path, kwargs, num_replicas))
+        return f"http://127.0.0.1:8123/env/{name}"
+
+    monkeypatch.setattr(env_server, "deploy_environment", fake_deploy)
+    r = load_recipe(None, ["env.game.environment=my_pkg.game:Game", "env.game.serve=true", "env.game.serve_replicas=3",
+                           "env.game.environment_kwargs={level: 2}", "rollout_pool.name=p1"])
+    served = pool_api._with_served_environment(r)
+    assert deployed == [("p1", "my_pkg.game:Game", {"level": 2}, 3)]
+    assert r.env.named["game"].serve and r.env.named["game"].url is None  # the user's recipe is left as it was
+    spec = environment_spec(served)
+    assert spec == EnvironmentSpec("game", url="http://127.0.0.1:8123/env/p1", kwargs={"level": 2})
+    plain = load_recipe(None, [])
+    assert pool_api._with_served_environment(plain) is plain and len(deployed) == 1  # nothing to serve
