@@ -10,7 +10,8 @@ docs/architecture.md, "Placement".
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,12 +35,128 @@ def learner_gpus_per_rank(recipe: Recipe) -> float:
     return COLOCATED_SHARE if recipe.policy.generation.colocated.enabled else 1
 
 
-def check_learner_fits(recipe: Recipe, cluster_gpus: float) -> None:
-    """Fail fast (instead of an actor waiting forever for GPUs) when the learner cannot be placed."""
-    need = max(1, recipe.learner_gpus) * learner_gpus_per_rank(recipe)
-    if need > cluster_gpus:
-        raise PlacementError(f"the learner needs {need:g} GPUs ({max(1, recipe.learner_gpus)} ranks) but the Ray "
-                             f"cluster has {cluster_gpus:g}; check cluster.gpus_per_node and rollout_pool.learner_gpus")
+LEARNER_PLACEMENT_TIMEOUT_S = 30.0
+"""Longest the learner's rank actors may wait for the GPUs (and ``cluster.learner_resources``) they ask for."""
+
+
+@dataclass(frozen=True)
+class GpuCensus:
+    """The Ray cluster's GPUs as a placement check sees them: in all, free, and what the pool holds."""
+
+    total: float
+    """GPUs of the Ray cluster in all (``ray.cluster_resources``)."""
+    available: float
+    """GPUs no actor or placement group holds now (``ray.available_resources``)."""
+    pool_engines: int = 0
+    """Engines of the recipe's rollout pool that hold (or are about to hold) whole GPUs of their own."""
+    pool_gpus: float = 0
+    """GPUs those engines hold (``num_engines x gpus_per_engine``; 0 on CPU and colocated)."""
+
+    @property
+    def free(self) -> float:
+        """GPUs a new actor can have: the available ones, less what the pool's engines take and do not hold
+        yet (an engine still being placed is not subtracted from ``available``)."""
+        return max(0.0, min(self.available, self.total - self.pool_gpus))
+
+    def holders(self) -> str:
+        """Who holds the GPUs that are not free, in words."""
+        held = self.total - self.free
+        if held <= 0:
+            return "none is held"
+        parts, pool = [], min(self.pool_gpus, held)
+        if pool:
+            one = self.pool_engines == 1
+            parts.append(f"the rollout pool's {self.pool_engines} engine{'' if one else 's'} "
+                         f"hold{'s' if one else ''} {pool:g} of {self.total:g} GPUs")
+        other = held - pool
+        if other > 0:
+            parts.append(f"other actors or placement groups hold {other:g}")
+        return " and ".join(parts)
+
+    def describe(self) -> str:
+        return f"{self.free:g} of the Ray cluster's {self.total:g} GPUs are free ({self.holders()})"
+
+
+def pool_engine_gpus(recipe: Recipe) -> tuple[int, float]:
+    """Engines of the recipe's pool with whole GPUs of their own, and those GPUs (none on CPU or colocated:
+    a colocated pool's GPUs are its colocation group's, the learner's ranks included)."""
+    if not recipe.cluster.gpus_per_node or recipe.policy.generation.colocated.enabled:
+        return 0, 0
+    n = recipe.rollout_pool.num_engines
+    return n, float(n * recipe.gpus_per_engine)
+
+
+def gpu_census(recipe: Recipe, cluster: Callable[[], Mapping[str, float]] | None = None,
+               available: Callable[[], Mapping[str, float]] | None = None) -> GpuCensus:
+    """The connected Ray cluster's GPUs for ``recipe`` (``cluster``/``available``: the resource queries,
+    ``ray.cluster_resources``/``ray.available_resources`` by default)."""
+    if cluster is None or available is None:
+        import ray
+
+        cluster, available = cluster or ray.cluster_resources, available or ray.available_resources
+    engines, gpus = pool_engine_gpus(recipe)
+    return GpuCensus(float(cluster().get("GPU", 0)), float(available().get("GPU", 0)), engines, gpus)
+
+
+def _layout(recipe: Recipe) -> str:
+    c = recipe.cluster
+    return (f"the recipe lays out cluster.num_nodes x cluster.gpus_per_node = {c.num_nodes} x {c.gpus_per_node} "
+            f"= {c.num_nodes * c.gpus_per_node} GPUs")
+
+
+def fewer_gpus_hint(recipe: Recipe) -> str:
+    """What to change in a recipe that asks for more GPUs than the cluster has free."""
+    return (f"{_layout(recipe)}. To fit: share the GPUs between engines and learner "
+            f"(policy.generation.colocated.enabled=true, sync only: grpo.async_grpo.enabled=false, "
+            f"rollout_pool.learner_gpus unset; on one GPU recipes/gpu-1xh200-sync.yaml), or give the pool fewer "
+            f"engines (rollout_pool.num_engines, now {recipe.rollout_pool.num_engines}) or the learner fewer "
+            f"GPUs (rollout_pool.learner_gpus) and set cluster.gpus_per_node to the GPUs the nodes have, or free "
+            f"or add GPUs")
+
+
+def check_learner_fits(recipe: Recipe, census: GpuCensus) -> None:
+    """Fail fast (instead of rank actors waiting for GPUs) when the learner cannot be placed: apart from the
+    pool its ranks need whole *free* GPUs; colocated they go into the pool's group (it has one GPU per rank,
+    checked against the cluster's GPUs in all). Nothing is asked for on CPU (``cluster.gpus_per_node: 0``)."""
+    world, per = max(1, recipe.learner_gpus), learner_gpus_per_rank(recipe)
+    need = world * per
+    if not need:
+        return
+    if colocated_on_gpus(recipe):
+        if need > census.total:
+            raise PlacementError(f"the learner needs {need:g} GPUs ({world} ranks x {per:g}) but the Ray cluster "
+                                 f"has {census.total:g} in all; {fewer_gpus_hint(recipe)}")
+        return
+    if need > census.free:
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        raise PlacementError(f"the learner asks for {need:g} GPUs ({ranks} x {per:g} GPU, "
+                             f"rollout_pool.learner_gpus) and {census.describe()}; {fewer_gpus_hint(recipe)}")
+
+
+def check_pool_fits(recipe: Recipe, census: GpuCensus, missing_engines: int) -> None:
+    """Fail a separate pool's start-up at once (before any vLLM engine boots for minutes) when the
+    ``missing_engines`` engines it is about to create cannot have their GPUs; on a fresh deploy (none of its
+    engines exists yet) the learner that will attach must fit too. Nothing to check on CPU or colocated
+    (the colocation group's own check, :func:`services.pool.placement.colocation_group`)."""
+    engines, _ = pool_engine_gpus(recipe)
+    if not engines or not missing_engines:
+        return
+    k = recipe.gpus_per_engine
+    need = float(missing_engines * k)
+    free = census.available  # the engines about to be made hold nothing yet
+    learner = float(recipe.learner_gpus) if missing_engines == engines else 0.0
+    what = f"{missing_engines} engine{'s' if missing_engines != 1 else ''} x {k} GPU (num_engines x " \
+           f"tensor_parallel_size x pipeline_parallel_size)"
+    held = census.total - free
+    holders = f"{held:g} held by other actors or placement groups" if held > 0 else "none is held"
+    if need > free:
+        raise PlacementError(f"the rollout pool asks for {need:g} GPUs ({what}) and {free:g} of the Ray "
+                             f"cluster's {census.total:g} GPUs are free ({holders}); {fewer_gpus_hint(recipe)}")
+    if need + learner > free:
+        raise PlacementError(f"the rollout pool asks for {need:g} GPUs ({what}) and its learner for "
+                             f"{learner:g} more (rollout_pool.learner_gpus), {need + learner:g} in all; "
+                             f"{free:g} of the Ray cluster's {census.total:g} GPUs are free ({holders}), so "
+                             f"the learner could not be placed after the engines boot; {fewer_gpus_hint(recipe)}")
 
 
 def colocation_bundles(recipe: Recipe) -> int:

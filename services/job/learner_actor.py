@@ -182,27 +182,61 @@ def start_ranks(actors: list, wait: Callable[[list, str], Any]) -> tuple[str, in
     return host, port
 
 
+CPU_PLACEMENT_TIMEOUT_S = 300.0
+"""Bound of the wait for CPU learner ranks that ask for ``cluster.learner_resources`` (no GPUs)."""
+
+
+def wait_placed(recipe: Recipe, actors: list, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until every rank actor is placed and answers. Only ranks that ask for
+    something a cluster may lack (GPUs, ``cluster.learner_resources``) are waited for here; on timeout the
+    :class:`~services.gpu_layout.PlacementError` names what they ask for and the cluster's GPUs."""
+    import ray
+
+    from services.gpu_layout import PlacementError, fewer_gpus_hint, gpu_census, learner_gpus_per_rank
+
+    per, extra = learner_gpus_per_rank(recipe), dict(recipe.cluster.learner_resources or {})
+    if not per and not extra:
+        return
+    if not per:  # CPU ranks steered by learner_resources: a loaded machine may take long to start a worker
+        timeout_s = max(timeout_s, CPU_PLACEMENT_TIMEOUT_S)
+    refs = [a.__ray_ready__.remote() for a in actors]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ray.get(done)  # a rank that failed to construct raises here
+    if not pending:
+        return
+    asks = f"{per:g} GPU" + "".join(f", {v:g} {k}" for k, v in extra.items())
+    more = f"; cluster.learner_resources: {extra} (a node must have them besides the GPUs)" if extra else ""
+    raise PlacementError(f"learner: {len(pending)} of {len(actors)} ranks were not placed within {timeout_s:g} s; "
+                         f"each asks for {asks} and {gpu_census(recipe).describe()}{more}; "
+                         f"{fewer_gpus_hint(recipe)}")
+
+
 class LearnerGroup:
     """All ranks of one learner job, driven in lockstep."""
 
     def __init__(self, recipe: Recipe, model_path: ModelFiles | str, call_timeout_s: float = 1800.0,
-                 colocation: PlacementGroup | None = None):
+                 colocation: PlacementGroup | None = None, placement_timeout_s: float | None = None):
         """``model_path``: a model directory on this node, or :class:`~services.model_files.ModelFiles` (ranks on
         nodes without the directory get its files shipped). ``colocation``: the pool's colocation placement
         group (``pool.colocation_group``), which puts rank ``j`` on GPU slot ``j``, shared with the engine worker
         there (engine ``j // k`` for ``k`` GPUs per engine, :mod:`services.gpu_layout`); None for separate pools
-        and CPU runs."""
+        and CPU runs. Raises :class:`~services.gpu_layout.PlacementError` at once when the cluster has too few
+        free GPUs for the ranks, and after ``placement_timeout_s`` (default
+        :data:`~services.gpu_layout.LEARNER_PLACEMENT_TIMEOUT_S`) when they were not placed."""
         import ray
 
-        from services.gpu_layout import PlacementError, check_learner_fits, colocation_bundles, learner_options
+        from services.gpu_layout import (
+            LEARNER_PLACEMENT_TIMEOUT_S,
+            PlacementError,
+            check_learner_fits,
+            colocation_bundles,
+            gpu_census,
+            learner_options,
+        )
         from services.model_files import ModelFiles, share
 
-        self.timeout = call_timeout_s
-        self._own_files = not isinstance(model_path, ModelFiles)
-        self.files = model_path if isinstance(model_path, ModelFiles) else share(model_path)
         world = max(1, recipe.learner_gpus)
-        spec = LearnerSpec.of(recipe, self.files)
-        check_learner_fits(recipe, ray.cluster_resources().get("GPU", 0))
+        check_learner_fits(recipe, gpu_census(recipe))
         if colocation is None and colocation_bundles(recipe):
             raise PlacementError("a colocated recipe on GPUs places its learner ranks in the pool's colocation "
                                  "group, and the pool has none: deploy the pool from a recipe with "
@@ -210,9 +244,18 @@ class LearnerGroup:
         if colocation is not None and len(colocation.bundle_specs) < world:
             raise PlacementError(f"the pool's colocation group has {len(colocation.bundle_specs)} GPU bundles; "
                                  f"this learner has {world} ranks (its recipe's cluster must match the pool's)")
+        self.timeout = call_timeout_s
+        self._own_files = not isinstance(model_path, ModelFiles)
+        self.files = model_path if isinstance(model_path, ModelFiles) else share(model_path)
+        spec = LearnerSpec.of(recipe, self.files)
         self.actors = [ray.remote(LearnerActor).options(num_cpus=0, max_restarts=0,
                                                         **learner_options(recipe, r, colocation)
                                                         ).remote(r, world, spec) for r in range(world)]
+        try:
+            wait_placed(recipe, self.actors, placement_timeout_s or LEARNER_PLACEMENT_TIMEOUT_S)
+        except PlacementError:
+            self._release()
+            raise
         self.master = start_ranks(self.actors, self.wait)  # surfaces construction errors here, bounded
 
     def call(self, method: str, *args):
@@ -232,12 +275,16 @@ class LearnerGroup:
             raise TimeoutError(f"learner: {method} did not finish within {self.timeout:.0f} s") from None
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             self.call("shutdown")
         except Exception:  # noqa: BLE001 - killed below anyway
             pass
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the rank actors and, if this group registered the model's files, their holder."""
+        import ray
+
         for a in self.actors:
             ray.kill(a)  # pyright: ignore[reportArgumentType] - typed as ActorProxy[LearnerActor]; an ActorHandle
         if self._own_files and self.files.holder is not None:

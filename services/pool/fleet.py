@@ -61,7 +61,7 @@ class Fleet:
         try:
             self.colocation = await asyncio.to_thread(colocation_group, self.recipe, self.name)
             create_engines(self.recipe, self.name, self.model_path, self.colocation, into=self.handles)
-            await boot_engines(self.handles, BOOT_TIMEOUT_S, started)
+            await boot_engines(self.handles, BOOT_TIMEOUT_S, started, self.recipe)
             for eid in self.handles:
                 res = started[eid]
                 self.mark_up(eid, res["version"], res["pid"], res.get("incarnation"))

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 GROUP_READY_TIMEOUT_S = 120.0
 """How long the pool waits for the cluster to grant the colocation group's GPUs."""
+FREE_GRACE_S = 10.0
+"""How long a new colocation group waits for GPUs being released (a pool just removed) before it fails."""
 BUNDLE_INDICES_ENV = "VLLM_RAY_BUNDLE_INDICES"
 """vLLM's Ray executor puts worker ``r`` on the ``r``-th bundle named here (of the actor's placement group)."""
 PER_WORKER_GPUS_ENV = "VLLM_RAY_PER_WORKER_GPUS"
@@ -51,8 +53,9 @@ def colocation_group_name(pool_name: str) -> str:
 def colocation_group(recipe: Recipe, pool_name: str, timeout_s: float = GROUP_READY_TIMEOUT_S) -> Any:
     """The pool's colocation placement group, made if it does not exist yet (a restarted pool replica finds
     its own); None when the recipe needs none. Raises :class:`PlacementError` at once when the cluster has
-    fewer GPUs in all, after ``timeout_s`` when they are not granted, and when an engine's slots were granted
-    on more than one node (a group made here is removed again)."""
+    fewer GPUs in all, after a few seconds when fewer are free (:func:`check_group_fits`), after ``timeout_s``
+    when they are not granted, and when an engine's slots were granted on more than one node (a group made
+    here is removed again)."""
     import ray
     from ray.util import placement_group, remove_placement_group
     from ray.util.placement_group import get_placement_group
@@ -64,11 +67,7 @@ def colocation_group(recipe: Recipe, pool_name: str, timeout_s: float = GROUP_RE
     try:
         group, made = get_placement_group(name), False
     except ValueError:
-        have = ray.cluster_resources().get("GPU", 0)
-        if have < n:
-            raise PlacementError(f"colocation placement group {name!r} needs {n} whole GPUs (cluster.num_nodes x "
-                                 f"cluster.gpus_per_node = {recipe.cluster.num_nodes} x "
-                                 f"{recipe.cluster.gpus_per_node}); the Ray cluster has {have:g} in all") from None
+        check_group_fits(recipe, name, n)
         group, made = placement_group([{"GPU": 1.0}] * n, strategy="PACK", name=name, lifetime="detached"), True
     try:
         if len(group.bundle_specs) != n:
@@ -83,6 +82,28 @@ def colocation_group(recipe: Recipe, pool_name: str, timeout_s: float = GROUP_RE
             remove_placement_group(group)
         raise
     return group
+
+
+def check_group_fits(recipe: Recipe, name: str, n: int, grace_s: float = FREE_GRACE_S) -> None:
+    """A new colocation group of ``n`` whole GPUs: fail at once when the cluster has fewer in all, after
+    ``grace_s`` when fewer are free (another pool's group or other actors hold them)."""
+    import time
+
+    import ray
+
+    need = (f"colocation placement group {name!r} needs {n} whole GPUs (cluster.num_nodes x cluster.gpus_per_node "
+            f"= {recipe.cluster.num_nodes} x {recipe.cluster.gpus_per_node})")
+    total = ray.cluster_resources().get("GPU", 0)
+    if total < n:
+        raise PlacementError(f"{need}; the Ray cluster has {total:g} in all: set cluster.gpus_per_node (and "
+                             f"rollout_pool.num_engines) to the GPUs the nodes have")
+    deadline = time.monotonic() + grace_s
+    while (free := ray.available_resources().get("GPU", 0)) < n and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if free < n:
+        raise PlacementError(f"{need}; {free:g} of the Ray cluster's {total:g} GPUs are free (other actors or "
+                             f"placement groups hold {total - free:g}; `ray status` lists them): stop what holds "
+                             f"them or lay the recipe out on fewer GPUs")
 
 
 def check_engine_slots(recipe: Recipe, nodes: Mapping[int, str]) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from services.gpu_layout import check_pool_fits, gpu_census
 from services.pool.engine_actor import EngineActor, EngineSpec
 from services.pool.placement import colocation_group_name, engine_options
 
@@ -53,6 +54,8 @@ def create_engines(recipe: Recipe, pool_name: str, model_path: Any, group: Any, 
     import ray
 
     r = recipe
+    missing = [i for i in range(r.rollout_pool.num_engines) if not _exists(engine_name(pool_name, i))]
+    check_pool_fits(r, gpu_census(r), len(missing))  # engines of a restarted replica hold their GPUs already
     ncpu = max(1, int(ray.cluster_resources().get("CPU", 1)))
     for i in range(r.rollout_pool.num_engines):
         eid = engine_name(pool_name, i)
@@ -63,22 +66,40 @@ def create_engines(recipe: Recipe, pool_name: str, model_path: Any, group: Any, 
         into[eid] = actor_cls.remote(EngineSpec.from_recipe(r, eid, model_path))
 
 
-async def _boot_one(eid: str, engine: Any, timeout_s: float) -> dict:
+def _exists(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=ENGINE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _asks(recipe: Recipe | None) -> str:
+    """What an engine asks for and the cluster's GPUs, for a start-up timeout's message."""
+    if recipe is None or not recipe.cluster.gpus_per_node:
+        return ""
+    return (f" (it asks for {recipe.gpus_per_engine} GPU{'s' if recipe.gpus_per_engine > 1 else ''}; "
+            f"{gpu_census(recipe).describe()})")
+
+
+async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | None = None) -> dict:
     """Wait until the actor answers, then start its engine. (Measured: a ``start`` call submitted while the
     actor was still being created never arrived; a first cheap call fixes it.)"""
     try:
         await asyncio.wait_for(engine.health.remote(), timeout_s)
         return await asyncio.wait_for(engine.start.remote(), timeout_s)
     except TimeoutError:
-        raise PoolStartError(f"engine {eid} did not start within {timeout_s:g} s") from None
+        raise PoolStartError(f"engine {eid} did not start within {timeout_s:g} s{_asks(recipe)}") from None
     except Exception as exc:  # noqa: BLE001 - named and re-raised
         raise PoolStartError(f"engine {eid} did not start: {reason(exc)}") from exc
 
 
-async def boot_engines(engines: dict, timeout_s: float, started: dict) -> None:
+async def boot_engines(engines: dict, timeout_s: float, started: dict, recipe: Recipe | None = None) -> None:
     """Start every engine's vLLM engine, all at once; each answer (``{"version", "pid", ...}``) goes into
     ``started`` as it comes. Raises :class:`PoolStartError` at the first engine that fails."""
-    tasks = {asyncio.ensure_future(_boot_one(eid, e, timeout_s)): eid for eid, e in engines.items()}
+    tasks = {asyncio.ensure_future(_boot_one(eid, e, timeout_s, recipe)): eid for eid, e in engines.items()}
     pending = set(tasks)
     try:
         while pending:

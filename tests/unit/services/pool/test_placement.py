@@ -5,28 +5,28 @@ from __future__ import annotations
 import pytest
 
 from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import PlacementError, check_learner_fits, learner_gpus_per_rank
+from services.gpu_layout import GpuCensus, PlacementError, check_learner_fits, learner_gpus_per_rank
 from services.pool.placement import engine_gpus
 
 
 def test_cpu_recipe_asks_for_no_gpu():
     r = load_recipe(None)
     assert engine_gpus(r) == 0 and learner_gpus_per_rank(r) == 0
-    check_learner_fits(r, 0)
+    check_learner_fits(r, GpuCensus(0, 0))
 
 
 def test_separate_pools_take_whole_gpus():
     r = load_recipe(RECIPES_DIR / "grpo-32gpu-async-1off.yaml")
     assert engine_gpus(r) == 2 and learner_gpus_per_rank(r) == 1
-    check_learner_fits(r, 32)
-    with pytest.raises(PlacementError, match="needs 16 GPUs"):
-        check_learner_fits(r, 8)
+    check_learner_fits(r, GpuCensus(32, 16, 8, 16))  # the pool's 8 engines x 2 hold 16
+    with pytest.raises(PlacementError, match="asks for 16 GPUs"):
+        check_learner_fits(r, GpuCensus(8, 8, 8, 16))
 
 
 def test_one_gpu_colocated_shares_it():
     r = load_recipe(RECIPES_DIR / "gpu-1xh200-sync.yaml")
     assert engine_gpus(r) == 0.5 and learner_gpus_per_rank(r) == 0.5
-    check_learner_fits(r, 1)
+    check_learner_fits(r, GpuCensus(1, 0))  # the ranks go into the pool's colocation group
 
 
 def test_colocated_multi_gpu_engine_actor_leaves_the_gpu_shares_to_its_vllm_workers():
@@ -34,7 +34,7 @@ def test_colocated_multi_gpu_engine_actor_leaves_the_gpu_shares_to_its_vllm_work
     workers take half a GPU each), the learner's 32 ranks half a GPU each."""
     r = load_recipe(RECIPES_DIR / "grpo-32gpu-sync-colocated.yaml")
     assert r.gpus_per_engine == 2 and engine_gpus(r) == 0 and learner_gpus_per_rank(r) == 0.5
-    check_learner_fits(r, 32)
+    check_learner_fits(r, GpuCensus(32, 0))
 
 
 def test_slots_run_node_by_node_whatever_order_ray_granted_the_bundles_in():
