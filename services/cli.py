@@ -125,7 +125,13 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
     from services import cluster, pool, ray_runtime
 
     ray_runtime.connect(_require_cluster(cluster))
-    print(json.dumps(pool.connect(args.name).status.remote().result(timeout_s=60), indent=2, default=str))
+    status = pool.connect(args.name).status.remote().result(timeout_s=60)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        from services.pool.status_table import render
+
+        print(render(status), end="")
     return 0
 
 
@@ -196,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = recipe_command(pool, "deploy", "deploy a rollout pool (starts a local Ray cluster if none is given)",
                        _cmd_pool_deploy)
     d.add_argument("--name", default=None, help="pool name (default: rollout_pool.name)")
-    s = pool.add_parser("status", help="print a pool's status as JSON")
+    s = pool.add_parser("status", help="print a pool's status: engines, learner, last refit")
     s.add_argument("--name", default="inflight-pool")
+    s.add_argument("--json", action="store_true", help="print the status dict as JSON (for scripts)")
     s.set_defaults(func=_cmd_pool_status)
     x = pool.add_parser("shutdown", help="stop a pool's engines and delete it")
     x.add_argument("--name", default="inflight-pool")

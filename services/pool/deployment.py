@@ -43,6 +43,8 @@ class RolloutPool:
         self.name = self.recipe.rollout_pool.name
         self._token = admin_token
         self.metrics = PoolMetrics()
+        self._last_report: dict | None = None
+        """The learner's last step report (without its per-group lists), for ``status``."""
         self.fleet = Fleet(self.recipe, model_path, self.metrics)
         self.dispatcher = Dispatcher(self.fleet)
         self.fanout = ObjectStoreFanout(self.fleet)
@@ -121,6 +123,7 @@ class RolloutPool:
 
     async def report_step(self, report: dict) -> None:
         self.metrics.record_step(report)
+        self._last_report = {k: v for k, v in report.items() if k not in ("trajectory_ages", "rejected")}
 
     async def engine_stats(self) -> dict[str, dict]:
         return await self.fleet.engine_stats()
@@ -132,7 +135,8 @@ class RolloutPool:
                 "pid": os.getpid(), "learner": d.learner_status(), "paused": d.paused, "draining": d.draining,
                 "engines": self.fleet.table.as_dict(), "uptime_s": time.time() - self.fleet.started_at,
                 "requeued_prompts": d.requeued_prompts, "waiting_prompts": d.waiting_prompts(),
-                "undelivered_prompts": len(d.undelivered), "errors": self.fleet.errors[-5:]}
+                "undelivered_prompts": len(d.undelivered), "errors": self.fleet.errors[-5:],
+                "last_report": self._last_report}
 
     async def shutdown_engines(self) -> None:
         await self.fleet.shutdown()

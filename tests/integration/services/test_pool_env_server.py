@@ -115,3 +115,6 @@ def test_environment_server_failures_fail_their_samples_and_the_pool_goes_on(ray
         assert f'inflight_env_calls_total{{env="{ENV}",outcome="{outcome}"}}' in metrics, outcome
     assert want in metrics, metrics
     assert f'inflight_env_retries_total{{env="{ENV}"}}' in metrics
+    from grafana_names import dashboard_names, missing  # every metric the Grafana dashboard queries is served
+
+    assert missing(dashboard_names(), metrics) == []

@@ -1,0 +1,65 @@
+"""``inflight pool status`` renders the pool's status dict as tables; the dict is built the way the deployment
+builds it (``RolloutPool.status`` on a fleet and a dispatcher of fake engines)."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+from pool_fakes import FakeEngine, pool_of
+
+from services.pool.deployment import RolloutPool
+from services.pool.dispatch import Learner
+from services.pool.status_table import fmt_bytes, fmt_seconds, render
+
+
+def status_of(pool, report: dict | None = None) -> dict:
+    """``RolloutPool.status`` itself (the class under Serve's deployment), on the parts of ``pool``, after the
+    learner's step ``report`` went through ``RolloutPool.report_step``."""
+    me = types.SimpleNamespace(name=pool.fleet.name, fleet=pool.fleet, dispatcher=pool.dispatcher,
+                               metrics=pool.fleet.metrics, _last_report=None, _ensure_started=lambda: None)
+    cls = RolloutPool.func_or_class  # type: ignore[attr-defined]
+    if report is not None:
+        asyncio.run(cls.report_step(me, {**report, "trajectory_ages": [1, 1], "rejected": {}}))
+    return asyncio.run(cls.status(me))
+
+
+def test_table_shows_engines_learner_and_refit():
+    pool = pool_of({"engine-0": FakeEngine(True), "engine-1": FakeEngine(True)})
+    pool.fleet.version = 2
+    pool.fleet.table.set_version("engine-0", 2)
+    pool.fleet.mark_down("engine-1", RuntimeError("engine died:\nCUDA error"))
+    pool.dispatcher.learner = Learner(id="learner-7", since=1000.0)
+    report = {"step": 7, "reward_mean": 0.53125, "gen_kl_error": 1.5e-4, "refit_s": 0.31,
+              "refit_bytes": 3 * 1024 ** 2, "refit_pause_s": 0.012}
+    text = render(status_of(pool, report), now=1100.0)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"pool {pool.fleet.name}: version 2, not ready")
+    row0 = next(li for li in lines if li.startswith("engine-0")).split()
+    assert row0[:4] == ["engine-0", "up", "2", "1"]
+    row1 = next(li for li in lines if li.startswith("engine-1"))
+    assert "down" in row1 and "RuntimeError: engine died: CUDA error" in row1  # one line
+    assert "attached      yes, 1m40s ago" in text and "learner-7" in text
+    assert "step          7" in text and "0.5312" in text
+    assert "310ms" in text and "3.0 MiB" in text and "12ms" in text
+    assert "recent errors" not in text
+
+
+def test_table_without_learner_or_report():
+    pool = pool_of({"engine-0": FakeEngine(True)})
+    pool.fleet.errors.append("refit v1 timeout: {'engine-0': 'TimeoutError'}")
+    text = render(status_of(pool))
+    assert "ready" in text.splitlines()[0] and "not ready" not in text.splitlines()[0]
+    assert "attached      no" in text
+    assert "seconds     -" in text and "bytes       -" in text
+    assert "recent errors:\n  refit v1 timeout" in text
+
+
+def test_engine_up_at_an_old_version_is_behind():
+    text = render({"name": "p", "version": 3, "engines": {"e": {"up": True, "version": 2, "pid": 9}}})
+    assert "up, behind" in text
+
+
+def test_formats():
+    assert fmt_seconds(None) == "-" and fmt_seconds(float("nan")) == "-"
+    assert fmt_seconds(2.5) == "2.50s" and fmt_seconds(0.0451) == "45ms"
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(5 * 1024 ** 4) == "5120.0 GiB"
