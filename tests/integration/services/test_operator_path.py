@@ -168,7 +168,9 @@ def test_readme_deploy_attach_shutdown(home, tmp_path):
         print(f"{cmd[:60]}: {time.monotonic() - t0:.1f} s")
 
     assert json_tail(outputs[".venv/bin/inflight pool deploy"])["ready"] is True
-    assert json_tail(outputs[".venv/bin/inflight pool status"])["name"] == "inflight-pool"
+    status = outputs[".venv/bin/inflight pool status"]
+    assert re.search(r"^pool inflight-pool: version 0, ready", status, re.M), status[-2000:]
+    assert re.search(r"^inflight-pool-engine-0\s+up\s+0\s", status, re.M), status[-2000:]
     steps = [json.loads(line)["step"] for line in (work / "runs" / "a" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     curl = outputs["curl -s 127.0.0.1:" + port + "/readyz;"]
