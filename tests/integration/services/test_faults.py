@@ -404,7 +404,7 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
 # ------------------------------------------------------------------ engine death
 
 class EngineKiller(threading.Thread):
-    """Once step ``after_step`` is written, SIGKILL engine ``engine_id`` while it has a batch in flight (its actor
+    """Once step ``after_step`` is written, SIGKILL engine ``engine_id`` while it has requests in flight (its actor
     process, or with ``target="core"`` only the ``VLLM::EngineCore`` child of the live actor), then time the
     recovery: the engine marked down, the next step written (by the surviving engine) and the killed engine
     ready again (new incarnation, current version)."""
@@ -430,9 +430,9 @@ class EngineKiller(threading.Thread):
         while len(rows(self.run_dir)) < self.after_step:
             assert time.monotonic() < deadline, "no step was written"
             time.sleep(0.2)
-        while True:
+        while True:  # a batch whose requests are in vLLM now (a batch may linger after its last group is sent)
             health = ray.get(actor.health.remote(), timeout=30)
-            if health["running_batches"]:
+            if health["running_batches"] and ray.get(actor.stats.remote(), timeout=30)["requests_running"]:
                 break
             assert time.monotonic() < deadline, "the engine never had a batch in flight"
             time.sleep(0.05)
