@@ -29,7 +29,20 @@ FAILURE_KINDS: tuple[str, ...] = ("timeout", "http_5xx", "http_4xx", "malformed"
 RETRIED_KINDS = frozenset({"timeout", "http_5xx", "connection"})
 BODY_CHARS = 200
 """How much of an answer's body a failure reason quotes."""
+JITTER_LOW = 0.5
+"""A back-off is its base times a jitter in [JITTER_LOW, JITTER_LOW + 1)."""
 _JSON_HEADERS = {"content-type": "application/json"}
+
+
+def backoff_base_s(retry_backoff_s: float, attempt: int) -> float:
+    """The back-off after failed attempt ``attempt`` (1-based) before jitter: doubling from ``retry_backoff_s``."""
+    return retry_backoff_s * 2 ** (attempt - 1)
+
+
+def longest_call_s(timeout_s: float, max_retries: int, retry_backoff_s: float) -> float:
+    """The longest one call can take: every attempt at its deadline and every back-off at its largest jitter."""
+    return timeout_s * (max_retries + 1) + sum(backoff_base_s(retry_backoff_s, a) * (JITTER_LOW + 1)
+                                               for a in range(1, max_retries + 1))
 T = TypeVar("T")
 
 
@@ -228,7 +241,7 @@ class HttpEnvironment:
     def backoff_s(self, attempt: int) -> float:
         """The pause after failed attempt ``attempt`` (1-based): ``retry_backoff_s * 2**(attempt-1)`` times a
         jitter in [0.5, 1.5) from this client's random generator."""
-        return self.retry_backoff_s * 2 ** (attempt - 1) * (0.5 + self._rng.random())
+        return backoff_base_s(self.retry_backoff_s, attempt) * (JITTER_LOW + self._rng.random())
 
     async def _attempt(self, endpoint: str, content: bytes) -> dict[str, Any]:
         client, semaphore = self._resources()

@@ -61,8 +61,9 @@ class EnvironmentSpec:
         """The whole deadline of one call: every attempt of a server call and its back-offs, with slack."""
         if self.url is None:
             return self.step_timeout_s
-        backoff = sum(self.retry_backoff_s * 2 ** i * 1.5 for i in range(self.max_retries))
-        return self.step_timeout_s * (self.max_retries + 1) + backoff + 5.0
+        from rollout.env_http import longest_call_s
+
+        return longest_call_s(self.step_timeout_s, self.max_retries, self.retry_backoff_s) + 5.0
 
 
 def tool_schemas(names: Sequence[str]) -> list[dict[str, Any]]:
