@@ -134,8 +134,7 @@ async def _play(sampler: GroupSampler, chat: ChatTurns, env: BoundedEnvironment,
     for turn in range(1, max_turns + 1):
         budget = min(max_new, max_len - len(prompt) - len(episode.ids))
         if budget < 1:  # only before the first turn: an environment turn is appended only with room after it
-            return _Outcome(failed_trajectory(f"prompt of {len(prompt)} tokens leaves no room for an answer "
-                                              f"(max_model_len {max_len})"))
+            return _Outcome(failed_trajectory(sampler.no_room(len(prompt))))
         got = await sampler.sample_turn(prompt + episode.ids, budget, request.prompt_id, index, turn, temperature)
         if isinstance(got, Exception):
             return _Outcome(failed_trajectory(f"turn {turn}: {got}"), by_generation=True)

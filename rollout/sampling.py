@@ -176,6 +176,10 @@ class GroupSampler:
                                scheduled_step=request.scheduled_step, engine_id=self.engine_id,
                                created_at=time.time())
 
+    def no_room(self, prompt_len: int) -> str:
+        """Why a prompt of ``prompt_len`` tokens cannot be answered: it fills ``max_model_len``."""
+        return f"prompt of {prompt_len} tokens leaves no room for an answer (max_model_len {self.max_model_len})"
+
     def check_alive(self, prompt_id: str) -> None:
         """After a sample failed: :class:`EngineDead` if the engine itself has died (the group is not returned)."""
         if reason := self._dead_reason():
@@ -261,8 +265,7 @@ class GroupSampler:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
         budget = min(self.generation.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         if budget < 1:
-            raise SampleFailed(f"prompt of {len(request.prompt_ids)} tokens leaves no room for an answer "
-                               f"(max_model_len {self.max_model_len})")
+            raise SampleFailed(self.no_room(len(request.prompt_ids)))
         return await self._generate(request.prompt_ids.tolist(), budget, seed, temperature)
 
     async def _generate(self, token_ids: list[int], budget: int, seed: int,
