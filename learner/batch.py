@@ -11,6 +11,8 @@ A multi-turn sample keeps its environment tokens in the sequence (context for th
 only its sampled tokens (``loss_mask`` 1) are trained: :func:`trained_positions` gives, per packed sequence,
 the log-prob positions of those tokens, and :func:`token_inputs` their per-token loss inputs, so that an
 environment token never reaches the loss, its IS weight, N or any token metric.
+A vision-language policy's samples carry their prompt's images (:class:`~learner.mrope_positions.ImageInputs`,
+by ``prompt_id``), checked against the prompt's image tokens when collected (docs/multimodal_learner.md).
 See docs/learner.md, "A step", "Multi-turn samples" and "Several optimizer steps per batch".
 """
 from __future__ import annotations
@@ -21,8 +23,10 @@ import numpy as np
 import torch
 
 from learner.config import TrainStepConfig
+from learner.hf_config import VisionSpec
 from learner.logprobs import response_slices
 from learner.loss import TokenInputs, group_advantages
+from learner.mrope_positions import ImageInputs, mrope_positions
 from learner.packing import MicroBatch
 from learner.reward_shaping import shaped_group_rewards
 from protocol.messages import Trajectory, TrajectoryGroup
@@ -48,6 +52,8 @@ class Sample:
     position: int = 0
     """Its index among all the batch's trajectories (groups in order, failed ones counted): which
     optimizer step trains it (:func:`split`)."""
+    images: ImageInputs | None = None
+    """The images of its prompt (vision-language policies), or None."""
 
     @property
     def num_trained(self) -> int:
@@ -84,9 +90,31 @@ class StepBatch:
         return summary_stats(self.shaped_rewards, "shaped_reward") if self.reshaped else {}
 
 
+def prompt_images(group: TrajectoryGroup, images: dict[str, ImageInputs] | None,
+                  vision: VisionSpec | None) -> ImageInputs | None:
+    """The images of ``group``'s prompt (``images`` by ``prompt_id``), checked against its image tokens when the
+    policy has a vision tower (``vision``); ``ValueError`` naming the group otherwise."""
+    mine = (images or {}).get(group.prompt_id)
+    if vision is None:
+        if mine is not None:
+            raise ValueError(f"group {group.group_id}: prompt {group.prompt_id!r} has images, but the model has "
+                             f"no vision tower (model_type without vision_config)")
+        return None
+    where = f"group {group.group_id} (prompt {group.prompt_id!r})"
+    if mine is not None:
+        mine.check(vision, where)
+    try:
+        mrope_positions(group.prompt_ids, int(group.prompt_ids.size), mine, vision)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return mine
+
+
 def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, normalize_rewards: bool,
-            cfg: TrainStepConfig) -> StepBatch:
-    """The valid samples of ``groups`` with their advantages, and the batch's counts."""
+            cfg: TrainStepConfig, images: dict[str, ImageInputs] | None = None,
+            vision: VisionSpec | None = None) -> StepBatch:
+    """The valid samples of ``groups`` with their advantages, and the batch's counts; with a vision tower
+    (``vision``) each sample carries its prompt's ``images`` (by ``prompt_id``, :func:`prompt_images`)."""
     samples, rewards, lengths, shaped_all = [], [], [], []
     zero_groups = failed = truncated = length_finished = filtered = env_tokens = 0
     limit = max_total_sequence_length
@@ -110,6 +138,7 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
         if prompt.size < 1 or prompt.size >= limit:
             raise ValueError(f"group {g.group_id}: prompt has {prompt.size} tokens, must be in "
                              f"[1, max_total_sequence_length={limit})")
+        pixels = prompt_images(g, images, vision)
         for i, t, reward, adv in zip(valid_at, valid, group_rewards, advantages, strict=True):
             rewards.append(reward)
             lengths.append(int(t.response_ids.size))
@@ -128,7 +157,7 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
                 continue
             env_tokens += int(mask.size - np.count_nonzero(mask))
             samples.append(Sample(np.concatenate([prompt, resp.astype(np.int64)]), int(prompt.size),
-                                  np.asarray(lp_gen, dtype=np.float32), mask, float(adv), base + i))
+                                  np.asarray(lp_gen, dtype=np.float32), mask, float(adv), base + i, pixels))
     return StepBatch(samples, rewards, zero_groups, failed, truncated, position, lengths, length_finished,
                      filtered, shaped_all, cfg.reward_scaling.enabled or cfg.reward_shaping.enabled, env_tokens)
 

@@ -4,7 +4,10 @@ Supported families (``model_type``): ``qwen2`` (q/k/v biases; Qwen2 and Qwen2.5,
 embeddings), ``qwen3`` (per-head q/k RMSNorm, explicit ``head_dim``), ``qwen3_moe`` (Qwen3 with
 every layer a mixture of experts), ``llama`` (Llama 2/3.x, RoPE unscaled or ``llama3``-scaled) and
 ``mistral`` (Llama's layout, no sliding window). All are pre-norm RMSNorm decoders with SwiGLU MLPs
-and grouped-query attention, so they share one Megatron layer spec.
+and grouped-query attention, so they share one Megatron layer spec. ``qwen2_5_vl`` (Qwen2.5-VL) is a
+Qwen2 language model with multimodal RoPE (``mrope_section``) and a vision tower (:class:`VisionSpec`),
+read from either layout: the published one (text fields at the top, ``rope_scaling: {type: mrope}``)
+and the one transformers ≥ 5 writes (``text_config``, ``rope_parameters.mrope_section``).
 
 Anything the learner would compute differently from transformers and vLLM — another activation,
 RoPE type, a sliding window, o_proj/MLP biases, partial rotary — is refused with a ``ValueError``
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "qwen2_5_vl")
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -35,6 +39,36 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision side of a vision-language ``config.json``: the special tokens and the tower's patch geometry."""
+
+    image_token_id: int
+    """The placeholder token whose positions receive the tower's embeddings (``<|image_pad|>``)."""
+    video_token_id: int
+    vision_start_token_id: int
+    spatial_merge_size: int
+    """Patches merged per side into one language-model token (2: four patches per token)."""
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    out_hidden_size: int
+    """Width of one merged embedding; equals the language model's ``hidden_size``."""
+    depth: int
+    hidden_size: int
+    config: dict = field(default_factory=dict, compare=False, repr=False)
+    """``config.json``'s ``vision_config`` as it is: what transformers builds the tower from."""
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per row of ``pixel_values`` (channels × temporal patch × patch²)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def patches_per_token(self) -> int:
+        return self.spatial_merge_size ** 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,10 @@ class HFArchitecture:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     rope_scaling: Llama3RopeScaling | None = None
+    mrope_section: tuple[int, ...] | None = None
+    """Rotary channel pairs for the temporal, height and width positions (multimodal RoPE), or None."""
+    vision: VisionSpec | None = None
+    """The vision tower of a vision-language model, or None (a text-only model)."""
 
     @property
     def is_moe(self) -> bool:
@@ -84,6 +122,12 @@ class HFArchitecture:
             s = self.rope_scaling
             rope += (f" llama3 ×{s.factor:g} (low {s.low_freq_factor:g}, high {s.high_freq_factor:g}, "
                      f"original {s.original_max_position_embeddings})")
+        if self.mrope_section:
+            rope += f" mrope {list(self.mrope_section)}"
+        if self.vision:
+            v = self.vision
+            parts.append(f"vision tower {v.depth} blocks × {v.hidden_size}, patch {v.patch_size}, "
+                         f"merge {v.spatial_merge_size}")
         return f"{self.model_type}: " + ", ".join(parts + [rope])
 
 
@@ -156,9 +200,57 @@ def _moe_fields(cfg: dict) -> dict:
 def parse_hf_config(cfg: dict) -> HFArchitecture:
     """An :class:`HFArchitecture` from a parsed ``config.json``; ``ValueError`` naming the field otherwise."""
     try:
-        return _parse(cfg)
+        return _parse_vision_language(cfg) if cfg.get("model_type") in VISION_LANGUAGE_TYPES else _parse(cfg)
     except KeyError as err:
         raise ValueError(f"config.json: required field {err} is missing") from None
+
+
+def _mrope_text_config(cfg: dict) -> tuple[dict, tuple[int, ...]]:
+    """The language model's fields as a ``qwen2`` config (mrope taken out of its RoPE mapping) and the
+    ``mrope_section``; both layouts (see the module docstring)."""
+    nested = cfg.get("text_config")
+    text = dict(nested) if nested else {k: v for k, v in cfg.items() if k != "vision_config"}
+    where = "text_config." if nested else ""
+    field = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+    rope = dict(text.get(field) or {})
+    section = rope.pop("mrope_section", None)
+    if not isinstance(section, list) or len(section) != 3 or not all(isinstance(x, int) and x > 0 for x in section):
+        raise _refuse(f"{where}{field}.mrope_section", section, "three positive integers (temporal, height, width)")
+    key = "rope_type" if "rope_type" in rope else "type"
+    if rope.get(key) in ("mrope", "default"):
+        rope[key] = "default"  # the published files' "mrope" is default RoPE applied per section
+    text[field] = rope
+    text["model_type"] = "qwen2"
+    if "tie_word_embeddings" in cfg:  # a top-level value is what transformers and vLLM read
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text, tuple(section)
+
+
+def _vision_spec(cfg: dict, hidden_size: int) -> VisionSpec:
+    vis = cfg.get("vision_config")
+    if not isinstance(vis, dict):
+        raise _refuse("vision_config", vis, "a mapping (the vision tower's config)")
+    spec = VisionSpec(
+        image_token_id=int(cfg["image_token_id"]), video_token_id=int(cfg["video_token_id"]),
+        vision_start_token_id=int(cfg["vision_start_token_id"]),
+        spatial_merge_size=int(vis.get("spatial_merge_size", 2)), patch_size=int(vis.get("patch_size", 14)),
+        temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
+        in_channels=int(vis.get("in_channels", vis.get("in_chans", 3))),
+        out_hidden_size=int(vis["out_hidden_size"]), depth=int(vis["depth"]), hidden_size=int(vis["hidden_size"]),
+        config=dict(vis))
+    if spec.out_hidden_size != hidden_size:
+        raise _refuse("vision_config.out_hidden_size", spec.out_hidden_size,
+                      f"the language model's hidden_size ({hidden_size})")
+    return spec
+
+
+def _parse_vision_language(cfg: dict) -> HFArchitecture:
+    text, section = _mrope_text_config(cfg)
+    lm = _parse(text)
+    if sum(section) * 2 != lm.head_dim:
+        raise _refuse("mrope_section", list(section), f"sections summing to head_dim / 2 = {lm.head_dim // 2}")
+    return replace(lm, model_type=cfg["model_type"], mrope_section=section,
+                   vision=_vision_spec(cfg, lm.hidden_size))
 
 
 def _parse(cfg: dict) -> HFArchitecture:

@@ -9,7 +9,9 @@ Export (:func:`export_hf_state_dict`): a collective over the TP and EP groups
 that gathers every parameter, undoes the fusions and, on global rank 0, returns
 the source checkpoint's names, dtypes and shapes (:class:`HFTensorMeta`) in its
 order (with tied embeddings, ``lm_head.weight`` is the embedding again when
-the source had one). :func:`pack_hf_buckets` cuts them into ``protocol`` weight buckets;
+the source had one). A vision-language model's tower (:mod:`learner.vision`) is the Megatron model's
+submodule ``visual``: its parameters carry the checkpoint's own names (``visual.*``), whole on every rank,
+both ways. :func:`pack_hf_buckets` cuts them into ``protocol`` weight buckets;
 :func:`save_hf` writes a loadable HF directory. The name and layout table:
 docs/learner.md, "Weight mapping".
 """
@@ -36,6 +38,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_VISUAL = "visual."
+"""The vision tower's prefix: the same in the published checkpoints and in the Megatron model."""
 _WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
 
@@ -155,6 +159,8 @@ def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str]
 def megatron_shard_from_hf(name: str, arch: HFArchitecture, hf: Callable[[str], torch.Tensor],
                            lay: ParallelLayout) -> torch.Tensor:
     """The value of Megatron parameter ``name`` on the rank described by ``lay``."""
+    if name.startswith(_VISUAL):
+        return hf(name)
     if name == "embedding.word_embeddings.weight":
         return _chunk(hf("model.embed_tokens.weight"), lay.tp_size, lay.tp_rank, 0)
     if name == "output_layer.weight":
@@ -174,6 +180,8 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
     Returns the source checkpoint's tensor list (names, dtypes, shapes), which
     export reproduces."""
     ckpt = HFCheckpoint(model_path)
+    if arch.vision is not None:
+        _check_vision_layout(ckpt)
     if arch.tie_word_embeddings:
         _check_tied_output(ckpt)
     lay = ParallelLayout.current()
@@ -184,6 +192,15 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
                              f"Megatron expects {tuple(param.shape)}")
         param.copy_(value.to(param.device))
     return ckpt.metas
+
+
+def _check_vision_layout(ckpt: HFCheckpoint) -> None:
+    """A vision-language checkpoint must be in the published layout (``model.layers.*``, ``visual.*``), which
+    ``save_pretrained`` writes; transformers' in-memory names (``model.language_model.*``) are refused."""
+    inner = [m.name for m in ckpt.metas if m.name.startswith(("model.language_model.", "model.visual."))]
+    if inner:
+        raise ValueError(f"{ckpt.path}: tensor {inner[0]!r} is in transformers' in-memory layout; expected the "
+                         f"published one (model.layers.*, visual.*, lm_head.weight) that save_pretrained writes")
 
 
 def _check_tied_output(ckpt: HFCheckpoint) -> None:
@@ -226,6 +243,8 @@ def hf_tensors_from_shards(name: str, arch: HFArchitecture, shards: list[torch.T
 
     For an expert parameter ``shards`` is the single whole tensor and
     ``expert`` its global index."""
+    if name.startswith(_VISUAL):
+        return [(name, shards[0])]
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", torch.cat(shards))]
     if name == "output_layer.weight":

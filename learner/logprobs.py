@@ -8,7 +8,9 @@ without ever gathering the full-vocabulary logits (design.md §6: equal to
 gather + log_softmax to 5e-7).
 
 For a sequence of ``P`` prompt tokens and ``R`` response tokens, the response
-log-probs are the outputs at positions ``P-1 … P+R-2`` of its segment.
+log-probs are the outputs at positions ``P-1 … P+R-2`` of its segment. An
+:class:`~learner.mrope_positions.ImageMicroBatch` also hands its images to the
+model (a :class:`~learner.vision.VisionLanguageGPT`).
 
 :class:`EntropyTap` hooks the model's output layer and, while armed, computes
 the full-vocabulary entropy at every position of that forward (no grad, in row
@@ -19,12 +21,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from learner.mrope_positions import ImageMicroBatch
 from learner.packing import MicroBatch
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """``[T]`` float32 log-prob of ``mb.targets`` at every position; differentiable."""
-    neg = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.targets)
+    images = {"images": mb.images} if isinstance(mb, ImageMicroBatch) else {}
+    neg = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.targets, **images)
     return -neg.reshape(-1).float()
 
 

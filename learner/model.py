@@ -5,7 +5,9 @@ The HF fields are read into :class:`HFArchitecture` by :mod:`learner.hf_config`
 :class:`~learner.config.MegatronConfig` (TP/EP, recompute, precision; dropout 0
 and every fusion off, so CPU and GPU run the same semantics), and the model is
 built on the current device (local layer spec, no Transformer Engine); Llama-3 RoPE
-scaling takes all four of the config's values (:func:`_set_llama3_frequencies`).
+scaling takes all four of the config's values (:func:`_set_llama3_frequencies`). A vision-language
+checkpoint gets a :class:`learner.vision.VisionLanguageGPT`: the same language model with multimodal
+rotary positions (``position_embedding_type="mrope"``) and the checkpoint's vision tower inside.
 
 :func:`init_distributed` sets up ``torch.distributed`` (gloo on CPU, NCCL on
 GPU) and Megatron's parallel state once per process. The field-by-field mapping:
@@ -17,7 +19,7 @@ import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -154,6 +156,7 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig) -> Transf
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        mrope_section=list(arch.mrope_section) if arch.mrope_section else None,
         **_recompute_options(megatron), **_moe_options(arch, megatron),
     )
 
@@ -191,8 +194,11 @@ def _set_llama3_frequencies(model: GPTModel, arch: HFArchitecture, scaling: Llam
         original_max_position_embeddings=scaling.original_max_position_embeddings).to(rope.inv_freq.device)
 
 
-def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig) -> tuple[GPTModel, TransformerConfig]:
-    """A Megatron ``GPTModel`` (random init) for ``arch``; weights come from :mod:`learner.hf_weights`.
+def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
+                    freeze_vision_tower: bool = True) -> tuple[GPTModel, TransformerConfig]:
+    """A Megatron ``GPTModel`` (random init) for ``arch``, a :class:`~learner.vision.VisionLanguageGPT` with its
+    vision tower for a vision-language ``arch`` (frozen unless ``freeze_vision_tower`` is false); weights come
+    from :mod:`learner.hf_weights`.
 
     Returns ``(model, config)``. In bf16 the caller wraps it in ``Float16Module``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -204,11 +210,18 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig) -> tuple[GPT
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     scaling = arch.rope_scaling
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
-                     max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
-                     parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                     position_embedding_type="rope", rotary_base=int(arch.rope_theta),
-                     rope_scaling=scaling is not None, rope_scaling_factor=scaling.factor if scaling else 8.0)
+    cls: type[GPTModel] = GPTModel
+    vision: dict[str, Any] = {}  # VisionLanguageGPT's own arguments
+    if arch.vision is not None:
+        from learner.vision import VisionLanguageGPT, build_vision_tower
+        cls = VisionLanguageGPT
+        vision = dict(visual=build_vision_tower(arch.model_type, arch.vision), vision_spec=arch.vision,
+                      frozen_tower=freeze_vision_tower)
+    model = cls(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+                max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
+                parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                position_embedding_type="mrope" if arch.mrope_section else "rope", rotary_base=int(arch.rope_theta),
+                rope_scaling=scaling is not None, rope_scaling_factor=scaling.factor if scaling else 8.0, **vision)
     if scaling is not None:
         _set_llama3_frequencies(model, arch, scaling)
     if torch.cuda.is_available():

@@ -8,7 +8,8 @@ each into micro-batches dealt over data-parallel ranks, runs forward/backward of
 optimizer step; a no-grad forward of the whole batch before the first update
 with several; π_ref from a frozen copy when the KL penalty is on), and applies a
 Megatron optimizer step only if its loss and every gradient are finite;
-otherwise that optimizer step is skipped and changes nothing.
+otherwise that optimizer step is skipped and changes nothing. A vision-language
+policy also takes each prompt's images (docs/multimodal_learner.md).
 
 One process per rank (Ray actors in production, spawned processes in tests);
 every method that touches weights is collective over the model's ranks. The
@@ -33,6 +34,7 @@ from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_bu
 from learner.logprobs import EntropyTap, response_logprobs_no_grad, token_logprobs
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
+from learner.mrope_positions import ImageInputs, with_images
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
 from learner.packing import MicroBatch, deal, pack
 from protocol.messages import TrajectoryGroup, WeightBucket, WeightManifest
@@ -80,7 +82,7 @@ class Learner:
 
     def __init__(self, model_path: str, megatron: MegatronConfig, loss: LossConfig, packing: SequencePackingConfig,
                  max_total_sequence_length: int, normalize_rewards: bool = True, seed: int = 42,
-                 step_config: TrainStepConfig | None = None):
+                 step_config: TrainStepConfig | None = None, freeze_vision_tower: bool = True):
         if packing.enabled and packing.train_mb_tokens < max_total_sequence_length:
             raise ValueError(f"sequence_packing.train_mb_tokens ({packing.train_mb_tokens}) must be >= "
                              f"max_total_sequence_length ({max_total_sequence_length})")
@@ -99,7 +101,7 @@ class Learner:
         torch.manual_seed(seed)
         self.arch = read_hf_architecture(model_path)
         self.bf16 = megatron.precision == "bfloat16"
-        self.gpt, self.config = build_gpt_model(self.arch, megatron)
+        self.gpt, self.config = build_gpt_model(self.arch, megatron, freeze_vision_tower)
         self.hf_metas = load_hf_weights(self.gpt, self.arch, model_path)
         if megatron.freeze_moe_router:
             for name, param in self.gpt.named_parameters():
@@ -143,8 +145,9 @@ class Learner:
 
     # ------------------------------------------------------------------ batch preparation
 
-    def _collect(self, groups: list[TrajectoryGroup]) -> StepBatch:
-        return collect(groups, self.max_total_sequence_length, self.normalize_rewards, self.step_cfg)
+    def _collect(self, groups: list[TrajectoryGroup], images: dict[str, ImageInputs] | None = None) -> StepBatch:
+        return collect(groups, self.max_total_sequence_length, self.normalize_rewards, self.step_cfg, images,
+                       self.arch.vision)
 
     def _split(self, batch: StepBatch) -> list[list[Sample]]:
         return split(batch, self.step_cfg.train_global_batch_size)
@@ -153,6 +156,7 @@ class Learner:
         dp_rank, dp_size, _ = self._dp()
         micro_batches, fill = self._pack([s.tokens for s in samples]) if samples else ([], 0.0)
         mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
+        mine = with_images(mine, [s.prompt_len for s in samples], [s.images for s in samples], self.arch.vision)
         mine = [mb.to(self.device) for mb in mine]
         local_tokens = sum(samples[seg.index].num_trained for mb in mine for seg in mb.segments)  # sampled only
         return Prepared(samples, mine, fill, len(micro_batches), pad_tokens, local_tokens)
@@ -168,11 +172,12 @@ class Learner:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+    def train_step(self, groups: list[TrajectoryGroup],
+                   images: dict[str, ImageInputs] | None = None) -> dict[str, float]:
         """One GRPO step on all ``groups`` (the global batch): one optimizer step, or one per
-        ``train_global_batch_size`` trajectories; returns the step's metrics."""
+        ``train_global_batch_size`` trajectories; returns the step's metrics. ``images``: by ``prompt_id``."""
         t_start = time.perf_counter()
-        batch = self._collect(groups)
+        batch = self._collect(groups, images)
         _, _, dp_group = self._dp()
         self.model.train()
         minis = self._split(batch)
@@ -328,14 +333,18 @@ class Learner:
 
     # ------------------------------------------------------------------ inference / parity
 
-    def logprobs(self, prompt_ids: list[np.ndarray], response_ids: list[np.ndarray]) -> list[np.ndarray]:
-        """Response log-probs (float32) of each prompt/response pair under the current weights; no grad."""
-        if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"prompt_ids has {len(prompt_ids)} entries, response_ids {len(response_ids)}")
+    def logprobs(self, prompt_ids: list[np.ndarray], response_ids: list[np.ndarray],
+                 images: list[ImageInputs | None] | None = None) -> list[np.ndarray]:
+        """Response log-probs (float32) of each prompt/response pair under the current weights, with each
+        prompt's ``images`` (vision-language policies; None: no images); no grad."""
+        pics: list[ImageInputs | None] = list(images) if images is not None else [None] * len(prompt_ids)
+        if not len(prompt_ids) == len(response_ids) == len(pics):
+            raise ValueError(f"{len(prompt_ids)} prompt_ids, {len(response_ids)} response_ids, {len(pics)} images")
         seqs = [np.concatenate([np.asarray(p, np.int64), np.asarray(r, np.int64)])
                 for p, r in zip(prompt_ids, response_ids, strict=True)]
         budget = max(self.packing.train_mb_tokens, max((s.size for s in seqs), default=1))
         micro_batches, _ = pack(seqs, budget, self.packing.enabled)
+        micro_batches = with_images(micro_batches, [len(p) for p in prompt_ids], pics, self.arch.vision)
         self.model.eval()
         lps = response_logprobs_no_grad(self.model, [mb.to(self.device) for mb in micro_batches],
                                         [len(p) for p in prompt_ids], len(seqs))

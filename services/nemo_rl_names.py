@@ -9,6 +9,7 @@ from functools import cache
 SAME = "same"
 NEMO_RL_NAMES: dict[str, str | None] = {
     "grpo.max_consecutive_skipped_steps": None,
+    "policy.freeze_vision_tower": None,
     "policy.refit_bucket_mb": None,
     "policy.refit_transport": None,
     "policy.refit_timeout_s": None,

@@ -9,9 +9,11 @@ method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
 Trajectories reach the actors as protocol bytes in the Ray object store and
 are decoded inside. Weights leave either as encoded ``WeightManifest`` /
 ``WeightBucket`` bytes put in the object store by rank 0
-(``policy.refit_transport: object_store``) or, with ``collective``, straight
+(``policy.refit_transport: object_store``), with ``collective`` straight
 from rank 0's device over a :class:`protocol.weight_transfer.WeightTransferGroup`
-that rank 0 opens with the pool's engines (NCCL on GPU, gloo on CPU).
+that rank 0 opens with the pool's engines (NCCL on GPU, gloo on CPU), or with
+``cuda_ipc`` as buckets on rank 0's GPU that an engine there maps in place
+(:mod:`learner.ipc_export`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from protocol import TrajectoryGroup, decode, encode
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
+    from learner.ipc_export import IpcExporter
     from learner.trainer import Learner
     from services.config import Recipe
     from services.model_files import ModelFiles
@@ -46,6 +49,8 @@ class LearnerSpec:
     step_config: TrainStepConfig
     """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``,
     ``grpo.reward_scaling``, ``grpo.reward_shaping``."""
+    freeze_vision_tower: bool = True
+    """``policy.freeze_vision_tower`` (vision-language models)."""
 
     @classmethod
     def of(cls, recipe: Recipe, model: ModelFiles | str) -> LearnerSpec:
@@ -55,7 +60,7 @@ class LearnerSpec:
                                overlong_filtering=g.overlong_filtering, reward_scaling=g.reward_scaling,
                                reward_shaping=g.reward_shaping)
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
-                   g.normalize_rewards, g.seed, step)
+                   g.normalize_rewards, g.seed, step, p.freeze_vision_tower)
 
 
 class LearnerActor:
@@ -66,6 +71,7 @@ class LearnerActor:
         self.learner: Learner  # built by setup()
         self._weight_group = None
         self._staged = None
+        self._ipc: IpcExporter | None = None  # rank 0's exported buckets, made at its first export_ipc
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
@@ -85,7 +91,8 @@ class LearnerActor:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         s = self.spec
         self.learner = Learner(ensure_local(s.model), s.megatron, s.loss, s.packing, s.max_total_sequence_length,
-                               normalize_rewards=s.normalize_rewards, seed=s.seed, step_config=s.step_config)
+                               normalize_rewards=s.normalize_rewards, seed=s.seed, step_config=s.step_config,
+                               freeze_vision_tower=s.freeze_vision_tower)
         return self.learner.policy_version
 
     def version(self) -> int:
@@ -152,6 +159,30 @@ class LearnerActor:
             self.leave_weight_group()  # the receivers' collectives then fail at once instead of timing out
             raise
         return {"version": manifest.version, "bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+
+    def gpu_uuid(self) -> str:
+        """The UUID of this rank's GPU ('' on CPU): an engine on it alone can map the pushes of ``export_ipc``."""
+        from learner.ipc_export import gpu_uuid
+
+        return gpu_uuid(self.learner.device)
+
+    def export_ipc(self, bucket_bytes: int) -> tuple[bytes, list[list]] | None:
+        """Rank 0: this version's HF tensors packed into buckets on its GPU, shared through CUDA IPC; returns
+        ``(manifest_bytes, [wire form of each share])`` and keeps the buckets until :meth:`release_ipc`.
+        Collective (every rank takes part in the gather); other ranks return None."""
+        from learner.ipc_export import IpcExporter
+
+        tensors = self.learner.export_weight_tensors()
+        if self.rank != 0 or tensors is None:
+            return None
+        if self._ipc is None:
+            self._ipc = IpcExporter()
+        manifest, shares = self._ipc.export(self.learner.policy_version, tensors, bucket_bytes)
+        return encode(manifest), [s.to_wire() for s in shares]
+
+    def release_ipc(self) -> int:
+        """Rank 0: free the buckets of every exported version (the engines answered); returns the bytes."""
+        return self._ipc.release() if self._ipc is not None else 0
 
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         import numpy as np
