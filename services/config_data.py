@@ -3,11 +3,15 @@
 same; docs/configuration.md lists each key with its NeMo-RL counterpart."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from protocol.config_base import ConfigModel
+
+if TYPE_CHECKING:
+    from rollout.image_pool import ImagePool
+    from rollout.images import ImageRef
 
 BUILTIN_DATASETS = ("repeat_letter", "arithmetic")
 """Prompt sets generated in process from ``grpo.seed`` (:mod:`rollout.tasks`)."""
@@ -75,6 +79,38 @@ class DataConfig(ConfigModel):
     env_name: str | None = None
     """Which ``env.<name>`` section scores these rows; default: the only named section if there is exactly one,
     else ``env.reward_fn``."""
+    image_key: str | None = Field(default=None, min_length=1)
+    """Column holding a row's image (or a list of images) for a vision-language model: a file path (a relative
+    one is read against the data file's directory), a ``data:image/...;base64,`` URI, the encoded bytes, or a
+    ``{bytes, path}`` mapping (a ``datasets.Image`` column); None: text rows. Images can be prepared in worker
+    processes (``data.image_workers``) but are not yet sent to the engine (docs/multimodal.md). Inflight's key;
+    NeMo-RL's VLM processors read their datasets' own columns."""
+    image_workers: int = Field(default=8, ge=1, le=64)
+    """Worker processes that prepare images (decode, validate, resize and patchify by the model's image processor
+    rules; ``rollout/image_pool.py``); 8 is the seed's cap. Inflight's key."""
+    image_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Deadline for preparing one image; past it its worker is killed and the image fails, counted."""
+    max_image_bytes: int = Field(default=32 * 2**20, ge=1, le=2**31)
+    """Largest encoded image accepted (bytes); a larger one fails, counted."""
+    max_image_pixels: int = Field(default=8192 * 8192, ge=1, le=2**31)
+    """Largest image accepted, width x height, read from its header before decoding; a larger one fails,
+    counted (the processor then shrinks accepted images to its own ``max_pixels``)."""
+
+    def image_pool(self, model_dir: str) -> ImagePool:
+        """A :class:`rollout.image_pool.ImagePool` of these settings, with the image processor rules of
+        ``model_dir`` (its ``preprocessor_config.json``)."""
+        from rollout.image_pool import ImagePool
+        from rollout.images import ImageLimits, ImageRules
+
+        return ImagePool(ImageRules.from_pretrained(model_dir), ImageLimits(self.max_image_bytes,
+                                                                            self.max_image_pixels),
+                         num_workers=self.image_workers, timeout_s=self.image_timeout_s)
+
+    def row_images(self, row: dict) -> list[ImageRef]:
+        """The image references of ``row`` (``image_key``'s value: one, or a list); [] for text rows or an empty
+        cell."""
+        value = row.get(self.image_key) if self.image_key is not None else None
+        return [] if value is None else list(value) if isinstance(value, list) else [value]
 
     @model_validator(mode="after")
     def _hub_and_split(self):
