@@ -21,8 +21,13 @@
 #   bash bench/gpu_session.sh I   # the refit bench with the copy plan (rollout.direct_load), then the step
 #                                 # breakdown of E again (copy plan, pause without vLLM's fixed 20 ms sleep)
 #   bash bench/gpu_session.sh J   # the dense 0.6B async loop alone, 4 steps (copy plan, pause_generation kept)
+# On one H200 (`nvidia-h200`, issue 21):
+#   bash bench/gpu_session.sh K   # the CUDA IPC GPU tests, gpu_smoke (pause breakdown before/after, object
+#                                 # store and CUDA IPC), refit.py --gpus 1 --colocated, and the async recipe on
+#                                 # one GPU (it must fail fast, naming the GPUs)
+#   bash bench/gpu_session.sh L   # the colocated 1-GPU sync loop, object store then CUDA IPC, back to back
 set -u
-PHASE=${1:?phase A to J}
+PHASE=${1:?phase A to L}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -54,8 +59,11 @@ moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
 }
 dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
-[ -d $dense ] || $PY -m services.cli make-tiny-model $dense --arch qwen2 --size 0.6b --dtype bfloat16 > /dev/null
-[ -d $moe ] || $PY -m services.cli make-tiny-model $moe --arch qwen3_moe --size small --dtype bfloat16 > /dev/null
+build() {  # build DIR ARCH SIZE: a random bf16 model, initialised on the GPU (minutes on the CPU for 0.6B+)
+  [ -d "$1" ] || $PY -c "import sys, torch; from services.tiny_model import make_tiny_model
+with torch.device('cuda'): make_tiny_model(sys.argv[1], arch=sys.argv[2], size=sys.argv[3], dtype='bfloat16')" "$@"
+}
+case $PHASE in K) ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -142,6 +150,25 @@ J)
 I)
   step refit 210 $PY bench/refit.py --gpus 2 --out "$OUT/refit_h200_x2_copy.json"
   breakdown step_breakdown_h200x2_copy.json 330
+  ;;
+K)
+  step ipc_gpu_tests 240 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider tests/integration/rollout/test_ipc_refit_gpu.py
+  step gpu_smoke 200 $PY bench/gpu_smoke.py --out "$OUT/gpu_smoke_h200_issue21.json"
+  step refit_colocated 170 $PY bench/refit.py --gpus 1 --colocated --out "$OUT/refit_h200_colocated.json"
+  t0=$(date +%s%N)
+  step async_one_gpu 60 $PY -m services.cli run --recipe recipes/gpu-2xh200-async.yaml --steps 1 \
+    --run-dir "$OUT/async_one_gpu" policy.model_name=tiny://qwen2 logger.tensorboard_enabled=false \
+    checkpointing.enabled=false
+  echo "[async_one_gpu] ended after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  grep -m3 -i "placement\|GPUs" "$OUT/async_one_gpu.log" | cut -c1-600
+  ;;
+L)
+  SYNC="--recipe recipes/gpu-1xh200-sync.yaml --steps 4 policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false \
+    checkpointing.enabled=false"
+  step colocated_sync_object_store 290 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_object_store"
+  step colocated_sync_cuda_ipc 270 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_cuda_ipc" \
+    policy.refit_transport=cuda_ipc
+  for d in sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   ;;
 esac
 

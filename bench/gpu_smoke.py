@@ -5,12 +5,19 @@ child process, which must start before this process touches CUDA), then the
 learner is built from the same random-init Qwen2 (bf16). Steps:
 
 1. a group generation on the engine (``enforce_eager=False``: torch.compile + CUDA graphs);
-2. ``Learner.train_step`` on a few groups, then ``export_weights`` as v1;
-3. an in-flight ``install`` of v1 while groups are running: every sample
-   must finish, with versions in {0, v1}, non-decreasing, and some samples split;
-4. parity: the engine's ``logprobs_of`` vs ``Learner.logprobs`` on the v1 weights.
+2. ``Learner.train_step`` on a few groups;
+3. in-flight updates (:data:`INSTALLS`), each of a freshly trained version while
+   groups are running: through the object store with the pause as it was shipped
+   before (vLLM's fixed 20 ms settle, prefix reset inside the pause) and as it is
+   now, then twice through CUDA IPC (the engine core maps this process's buckets).
+   For each: export -> installed, and the engine's timed breakdown
+   (``rollout.install.PauseBreakdown``: verify / stage / receive before the pause;
+   pause request, settle, drain, install, label, resume inside it; prefix reset
+   after it). Every sample must finish, with versions in {old, new},
+   non-decreasing, some samples split, and the front end drained in time;
+4. parity: the engine's ``logprobs_of`` vs ``Learner.logprobs`` on the last pushed weights.
 
-Prints one JSON object (also written to ``--out``); exits 1 if a check failed.
+Prints one JSON object (also written to ``--out``) and the breakdown as a table; exits 1 if a check failed.
 
     python bench/gpu_smoke.py [--size small] [--out bench/results/gpu_smoke_h200.json]
 """
@@ -24,6 +31,71 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+INSTALLS = [("object_store", "before"), ("object_store", "after"), ("cuda_ipc", "after"), ("cuda_ipc", "after")]
+"""(transport, pause order) of the in-flight updates, in order. ``before``: the pause as shipped before issue 21
+(``pause_generation``'s fixed 20 ms settle, prefix-cache reset inside the pause); ``after``: the default
+``rollout.install.PauseSettings`` (no settle, reset after the resume)."""
+
+
+async def inflight_update(engine, learner, requests, groups, args, transport: str, order: str) -> dict:
+    """Train one step (a new version), then push it while ``requests`` x ``group_size`` samples run; returns
+    the timings (export -> installed, the engine's breakdown) and the checks of the running samples."""
+    from learner.ipc_export import IpcExporter
+    from rollout.install import PauseSettings
+
+    learner.train_step(groups)
+    before = engine.version
+    engine.installer.settings = PauseSettings(settle_s=0.02, prefix_reset_inside=True) if order == "before" \
+        else PauseSettings()
+    tasks = [asyncio.create_task(engine.generate_group(r, args.group_size)) for r in requests]
+    while engine.stats()["requests_running"] < len(requests) * args.group_size:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(args.update_after_s)
+    t0 = time.perf_counter()
+    if transport == "object_store":
+        manifest, buckets = learner.export_weights(64 << 20)
+        exported = time.perf_counter()
+        version = await engine.install(manifest, buckets)
+    else:
+        exporter = IpcExporter()
+        manifest, shares = exporter.export(learner.policy_version, learner.export_weight_tensors(), 64 << 20)
+        exported = time.perf_counter()
+        try:
+            version = await engine.install_ipc(manifest, [s.to_wire() for s in shares])
+        finally:
+            exporter.release()
+    installed = time.perf_counter()
+    inflight = await asyncio.gather(*tasks)
+    stats = engine.stats()
+    trajs = [t for g in inflight for t in g.trajectories]
+    phases = stats["phases_last"]
+    return {"transport": transport, "order": order, "version": version, "bytes": manifest.total_bytes,
+            "export_s": exported - t0, "export_to_installed_s": installed - t0,
+            "engine_install_call_s": stats["refit_seconds_last"], "paused_s": stats["pause_seconds_last"],
+            "paused_minus_install_s": phases["paused_s"] - phases["install_s"], "phases": phases,
+            "install_path": stats["install_path_last"] if transport == "cuda_ipc" else "reload (file)",
+            "drain_backlog": stats["drain_backlog_last"], "drain_complete": stats["drain_complete_last"],
+            "split_samples": sum(int(0 < (t.versions == before).sum() < t.versions.size) for t in trajs),
+            "samples": len(trajs),
+            "checks": {"samples_ok": all(t.ok for t in trajs),
+                       "versions_monotone": all(set(np.unique(t.versions)) <= {before, version}
+                                                and (np.diff(t.versions) >= 0).all() for t in trajs),
+                       "some_sample_split": any(0 < (t.versions == before).sum() < t.versions.size for t in trajs),
+                       "drain_complete": bool(stats["drain_complete_last"])}}
+
+
+def summary(out: dict) -> str:
+    """The in-flight updates as a table (milliseconds)."""
+    keys = ("verify_s", "stage_s", "receive_s", "pause_s", "settle_s", "drain_s", "install_s", "label_s",
+            "resume_s", "paused_s", "prefix_reset_s")
+    lines = [" | ".join(["transport/order", "export->installed", "export", *[k.removesuffix("_s") for k in keys],
+                         "backlog"])]
+    for u in out["inflight_updates"]:
+        ms = [u["export_to_installed_s"], u["export_s"], *[u["phases"][k] for k in keys]]
+        lines.append(" | ".join([f"{u['transport']}/{u['order']}", *[f"{v * 1e3:.1f}" for v in ms],
+                                 str(u["drain_backlog"])]))
+    return "\n".join(lines)
 
 
 async def run(args) -> dict:
@@ -55,6 +127,7 @@ async def run(args) -> dict:
     out["checks"]["all_samples_ok"] = all(t.ok for g in groups for t in g.trajectories)
 
     import torch
+
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.trainer import Learner
 
@@ -71,34 +144,20 @@ async def run(args) -> dict:
     out["train_steps"] = steps
     out["checks"]["train_step_finite"] = all(np.isfinite(s.get("loss", 0.0)) for s in steps)
 
-    t = time.monotonic()
-    manifest, buckets = learner.export_weights(64 << 20)
-    out["export_s"] = time.monotonic() - t
-    out["export_bytes"] = manifest.total_bytes
     engine.generation.max_new_tokens = args.inflight_tokens
-    tasks = [asyncio.create_task(engine.generate_group(r, args.group_size)) for r in requests]
-    while engine.stats()["requests_running"] < len(requests) * args.group_size:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(args.update_after_s)
-    version = await engine.install(manifest, buckets)
-    inflight = await asyncio.gather(*tasks)
-    stats = engine.stats()
-    trajs = [t for g in inflight for t in g.trajectories]
-    out["inflight_update"] = {"version": version, "refit_s": stats["refit_seconds_last"],
-                              "pause_s": stats["pause_seconds_last"],
-                              "drain_incomplete": stats["version_drain_incomplete"],
-                              "split_samples": sum(int(0 < (t.versions == 0).sum() < t.versions.size) for t in trajs),
-                              "samples": len(trajs)}
-    out["checks"]["inflight_samples_ok"] = all(t.ok for t in trajs)
-    out["checks"]["versions_monotone"] = all(set(np.unique(t.versions)) <= {0, version}
-                                             and (np.diff(t.versions) >= 0).all() for t in trajs)
-    out["checks"]["some_sample_split"] = out["inflight_update"]["split_samples"] > 0
+    out["inflight_updates"] = []
+    for transport, order in INSTALLS:
+        out["inflight_updates"].append(await inflight_update(engine, learner, requests, groups, args, transport,
+                                                             order))
+    for i, u in enumerate(out["inflight_updates"]):
+        for name, ok in u.pop("checks").items():
+            out["checks"][f"update{i}_{u['transport']}_{u['order']}_{name}"] = ok
 
     prompts = [r.prompt_ids for r in requests]
-    responses = [g.trajectories[0].response_ids for g in inflight]
+    responses = [g.trajectories[0].response_ids for g in groups]  # scored at the last pushed version
     engine_lp = await engine.logprobs_of([p.tolist() for p in prompts], [r.tolist() for r in responses])
     learner_lp = learner.logprobs(prompts, responses)
-    diffs = np.concatenate([np.abs(a - b) for a, b in zip(engine_lp, learner_lp)])
+    diffs = np.concatenate([np.abs(a - b) for a, b in zip(engine_lp, learner_lp, strict=True)])
     out["parity"] = {"tokens": int(diffs.size), "mean_abs_diff": float(diffs.mean()),
                      "max_abs_diff": float(diffs.max())}
     out["checks"]["parity_mean_below_0.05"] = out["parity"]["mean_abs_diff"] < 0.05
@@ -121,6 +180,7 @@ def main() -> None:
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2, default=str)
     print(text)
+    print(summary(result))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     raise SystemExit(0 if all(result["checks"].values()) else 1)

@@ -21,16 +21,17 @@ hands GPU tensors to the worker without pickling). Measured:
     layerwise ``reload_weights(weights_iterator=<views of the received
     buckets>)``), in the order of :data:`INSTALLS`, alternating scaled and
     original weights;
-    and, for comparison, the CPU path's install (GPU -> host, CRC32 per
-    bucket, a safetensors file in /dev/shm, ``reload_weights(weights_path=
-    ...)``). Every scaled push must give the same changed greedy output and
+    and, for comparison, the CPU path's install (GPU -> host, CRC32 per bucket,
+    a safetensors file in /dev/shm, ``reload_weights(weights_path=...)``). Every scaled push must give the same changed greedy output and
     every original push must restore the first output exactly.
 
 The engine is paused for the whole install (a synchronous ``LLM`` steps
 nothing during ``collective_rpc``), so pause = install time here; the
-pause/resume overhead of ``AsyncLLM`` is measured by ``bench/gpu_smoke.py``.
+pause/resume overhead of ``AsyncLLM`` is measured by ``bench/gpu_smoke.py``. With ``--gpus 1 --colocated``
+the learner side is a second process on the GPU exporting CUDA IPC shares (``bench/refit_colocated.py``).
 
     python bench/refit.py [--size 1.5b] [--buckets 64,256,1024] [--out bench/results/refit_h200.json]
+    python bench/refit.py --gpus 1 --colocated [--out bench/results/refit_h200_colocated.json]
 """
 from __future__ import annotations
 
@@ -316,6 +317,8 @@ def main() -> None:
     ap.add_argument("--install-bucket-mib", type=int, default=256)
     ap.add_argument("--gpus", type=int, default=2, choices=[1, 2],
                     help="1: no NCCL; pack + checksum + install on one GPU (parts (b) without the wire and (c))")
+    ap.add_argument("--colocated", action="store_true",
+                    help="with --gpus 1: the learner in another process on the same GPU, pushes through CUDA IPC")
     ap.add_argument("--timeout-s", type=float, default=540.0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "refit_h200.json"))
     args = ap.parse_args()
@@ -325,17 +328,22 @@ def main() -> None:
 
     sizes = dict(tiny_model.SIZES, **{"1.5b": SIZE_1_5B})
     tiny_model.SIZES = sizes  # the bench's larger size, without changing the module's table for others
+    import torch
     t = time.monotonic()
-    model_dir = str(tiny_model.make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen2", size=args.size,
-                                               dtype="bfloat16"))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: 75 s on the CPU
+        model_dir = str(tiny_model.make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen2", size=args.size,
+                                                   dtype="bfloat16"))
     build_s = time.monotonic() - t
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()
     port = free_port()
+    from refit_colocated import colocated, colocated_report
+    if args.colocated and args.gpus != 1:
+        raise SystemExit("--colocated: the learner and the engine share one GPU; use --gpus 1")
     procs = ([ctx.Process(target=learner_side, args=(args, model_dir, port, a)),
               ctx.Process(target=engine_side, args=(args, model_dir, port, b, results))] if args.gpus == 2 else
-             [ctx.Process(target=one_gpu, args=(args, model_dir, results))])
+             [ctx.Process(target=colocated if args.colocated else one_gpu, args=(args, model_dir, results))])
     for p in procs:
         p.start()
     deadline = time.monotonic() + args.timeout_s
@@ -352,6 +360,8 @@ def main() -> None:
     if result is None:
         raise SystemExit(f"refit bench failed or timed out: exit codes {[p.exitcode for p in procs]}")
     n = result["bytes"]
+    if args.colocated:
+        return colocated_report(args, n, result, build_s)
     report = {"model": f"qwen2 {args.size} bf16", "bytes": n, "model_build_s": build_s, "gpus": args.gpus,
               "tensors": result["engine_tensors"], "greedy": result["greedy"], "cpu_path": result["cpu_path"],
               "raw_broadcast": {"seconds_median": statistics.median(result["raw"]),

@@ -9,17 +9,20 @@ then :mod:`rollout.cpu_reload`), ``inflight_join_weight_group`` (join the learne
 (receive and device-verify the next push between two scheduler steps),
 ``inflight_install_received`` (install it while paused, through
 :mod:`rollout.direct_load`) and ``inflight_drop_received`` (free a rejected
-push). docs/rollout.md ("Pushes over a weight group") has the steps.
+push). docs/rollout.md ("Pushes over a weight group") has the steps. The CUDA IPC methods
+(a colocated learner's buffers mapped in place) come from :class:`rollout.ipc_receiver.IpcWeightReceiver`.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
+from rollout.ipc_receiver import IpcWeightReceiver
+
 logger = logging.getLogger(__name__)
 
 
-class CollectiveWeightReceiver:
+class CollectiveWeightReceiver(IpcWeightReceiver):
     """Mixed into vLLM's worker class (``worker_extension_cls``); uses the worker's ``device``, ``rank``
     and ``reload_weights``."""
 

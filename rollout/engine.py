@@ -184,7 +184,7 @@ class RolloutEngine:
         """Counters: groups, samples, tokens, running requests, retries, aborts, episodes (turns, environment
         tokens, failures, truncations, time awaiting the environment), installs and their cost, and vLLM's
         preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
-        out: dict[str, Any] = {**vars(self.sampler.stats), **vars(self.installer.stats)}
+        out: dict[str, Any] = {**vars(self.sampler.stats), **self.installer.stats.as_dict()}
         out.update(sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, version=self.version,
                    engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats())
         if (env := self.sampler.environment) is not None:
@@ -276,6 +276,21 @@ class RolloutEngine:
         install. Raises :class:`WeightUpdateError` with the old version still serving."""
         return await self.installer.install_from_group(
             self._require_started(), reset=reset, direct_load=self.generation.vllm_cfg.direct_weight_load)
+
+    async def install_ipc(self, manifest: WeightManifest, shares: list, *, reset: bool = False) -> int:
+        """Install a push whose buckets stay in the learner's GPU memory: the worker maps them through the CUDA
+        IPC ``shares`` (:mod:`rollout.ipc_receiver`), checks them on the device against ``manifest`` and
+        installs them in flight (copy plan once proven, else ``reload_weights``), reading straight from the
+        learner's buffers; the learner may free them once this returns. Checked like :meth:`install_from_group`;
+        raises :class:`WeightUpdateError` with the old version still serving."""
+        return await self.installer.install_ipc(self._require_started(), manifest, shares, reset=reset,
+                                                direct_load=self.generation.vllm_cfg.direct_weight_load)
+
+    async def gpu_uuids(self) -> list[str]:
+        """The UUID of each vLLM worker's GPU (empty strings on CPU): an engine whose only GPU is the learner's
+        can install its pushes through CUDA IPC."""
+        return list(await self._bounded(self._require_started().collective_rpc("inflight_gpu_uuid"),
+                                        "asking the workers for their GPU"))
 
     # ------------------------------------------------------------------ helpers
     async def _bounded(self, awaitable: Awaitable[T], what: str) -> T:

@@ -10,7 +10,9 @@ sample's token count while paused (:mod:`rollout.streamed`). docs/rollout.md
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,17 @@ def engine_labels_available() -> bool:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return "weight_versions" in CompletionOutput.__dataclass_fields__ and hasattr(AsyncLLM, "update_weight_version")
+
+
+@dataclass(frozen=True)
+class Drain:
+    """How the front end caught up with a pause (streamed labels)."""
+
+    complete: bool
+    """Every output produced before the pause reached its sample (always True with engine-side labels)."""
+    backlog: int
+    """Engine outputs still waiting in the front end's queue when the pause took effect (0 with engine-side
+    labels, or when the installed vLLM has no such queue)."""
 
 
 class VersionLabels:
@@ -58,10 +71,14 @@ class VersionLabels:
         if self.engine_side:
             await llm.update_weight_version(str(version))
 
-    async def drain(self, llm: Any) -> bool:
-        """While paused with streamed labels: let the front end deliver the pre-pause outputs (True when it
-        did, or when nothing depends on it)."""
-        return not self.streamed or await drain_frontend(llm)
+    async def drain(self, llm: Any) -> Drain:
+        """While paused with streamed labels: let the front end deliver the pre-pause outputs, and say whether
+        it did and how far behind it was (nothing to do with engine-side labels)."""
+        if not self.streamed:
+            return Drain(True, 0)
+        queue = getattr(getattr(llm, "engine_core", None), "outputs_queue", None)
+        backlog = queue.qsize() if isinstance(queue, asyncio.Queue) else 0
+        return Drain(await drain_frontend(llm), backlog)
 
     def mark_running(self, version: int) -> None:
         """While still paused, once ``version`` is current: the running streamed samples' next tokens carry it."""

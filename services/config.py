@@ -121,18 +121,25 @@ class PolicyConfig(ConfigModel):
     qwen2, qwen3, llama, llama3, qwen3_moe, mistral; tie=1 ties the embeddings, as Qwen2.5-0.5B/1.5B)."""
     max_total_sequence_length: int = Field(default=8192, ge=16)
     """Prompt + answer tokens of one sequence."""
+    freeze_vision_tower: bool = True
+    """Keep a vision-language model's vision tower (every ``visual.*`` weight, the patch merger included) fixed:
+    no gradient, no optimizer state, eval mode; only the language model trains, as in NeMo-RL's VLM recipes.
+    ``false`` trains the tower with the language model. No effect on a text-only model."""
     train_global_batch_size: int | None = Field(default=None, ge=1)
     """Samples per optimizer step; the rollout batch (``grpo.num_prompts_per_step x num_generations_per_prompt``)
     must be a multiple of it. None: the whole rollout batch is one optimizer step."""
     refit_bucket_mb: int = Field(default=512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
-    refit_transport: Literal["object_store", "collective"] = "object_store"
+    refit_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
     """How weights reach the engines after a step. ``object_store``: rank 0 exports CRC32-checked buckets
     to host memory, the pool keeps them and each engine installs them from ``/dev/shm`` (works everywhere;
     a restarted engine gets the latest version from the pool). ``collective``: rank 0 broadcasts buckets
     from its device to every engine worker over one NCCL group (gloo on CPU), received in the vLLM workers
     while they keep generating and checked on the device; a restarted engine rejoins at the next push.
-    Needs the learner and the engines on their own devices (not colocated)."""
+    Needs the learner and the engines on their own devices (not colocated). ``cuda_ipc``: for an engine on
+    rank 0's GPU (colocated on one GPU): rank 0 packs device-checksummed buckets on its GPU and the engine
+    maps them through CUDA IPC handles and installs straight from them (no host copy); where no single
+    engine runs on that GPU alone (CPU, more GPUs or engines), each push goes through the object store."""
     refit_timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
     """Deadline of one weight push, for fetching its buckets and again for installing them on the engines; a push
     that misses it is rejected as a whole (the old version keeps serving). Separate from the per-sample

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -228,6 +229,10 @@ class LearnerJob:
         if refit and refit.pause_seconds_max is not None:
             row["refit_pause_s"] = refit.pause_seconds_max
             row["refit_install_s"] = refit.install_seconds_max
+        if refit and refit.transport:
+            row["refit_transport"] = refit.transport
+        if refit and refit.phases is not None:  # where the push's seconds went (rollout.install.PauseBreakdown)
+            row.update({f"refit_phase_{k}": v for k, v in asdict(refit.phases).items()})
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.book.buffer)
         row.update(self.book.source.counts())  # data_epoch, data_dropped_too_long, data_skipped_invalid

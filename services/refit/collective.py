@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.refit.result import GroupInstall, RefitResult, engine_gone
+from services.refit.result import GroupInstall, RefitResult, engine_failures, fold_installs
 
 if TYPE_CHECKING:
     from services.config import Recipe
@@ -131,7 +131,7 @@ class WeightGroup:
             results = await asyncio.gather(*[asyncio.wait_for(fleet.handles[e].join_weight_group.remote(
                 host, port, plan.ranks[e], plan.world_size, timeout_s), timeout_s + 60) for e in eids],
                 return_exceptions=True)
-            failed = self._failures(eids, results)
+            failed = engine_failures(fleet, eids, results)
             if failed:
                 raise fleet.refit_failed("?", failed)
             self.members = {e: fleet.table[e].incarnation for e in eids}
@@ -154,31 +154,9 @@ class WeightGroup:
             eids = list(self.members)
             answers = await asyncio.gather(*[asyncio.wait_for(fleet.handles[e].install_from_group.remote(reset),
                                                               timeout_s) for e in eids], return_exceptions=True)
-            failed = self._failures(eids, answers)
+            failed = engine_failures(fleet, eids, answers)
             if failed:
                 self.members = None
                 raise fleet.refit_failed("?", failed)
             results: list[GroupInstall] = [r for r in answers if isinstance(r, GroupInstall)]
-            for eid, res in zip(eids, results, strict=True):
-                fleet.table.set_version(eid, res.version)
-            version, seconds = results[0].version, time.perf_counter() - t0
-            fleet.version, fleet.kept = version, None
-            fleet.metrics.policy_version.set(version)
-            fleet.metrics.refit_seconds.observe(seconds)
-            fleet.metrics.refit_bytes.inc(sum(r.bytes for r in results))
-            for r in results:
-                fleet.metrics.refit_pause_seconds.observe(r.pause_s)
-                fleet.metrics.weight_installs.labels(path=r.install_path).inc()
-            return RefitResult(version=version, seconds=seconds, bytes=max(r.bytes for r in results),
-                               engines=len(eids), pause_seconds_max=max(r.pause_s for r in results),
-                               install_seconds_max=max(r.install_s for r in results),
-                               install_paths=tuple(sorted({r.install_path for r in results})))
-
-    def _failures(self, eids: list[str], results: list) -> dict[str, BaseException]:
-        """The engines of a weight-group call that failed; those whose process died are marked down (the
-        watcher brings them back and the next plan leaves them out until then)."""
-        failed = {e: r for e, r in zip(eids, results, strict=True) if isinstance(r, BaseException)}
-        for eid, exc in failed.items():
-            if engine_gone(exc):
-                self.fleet.mark_down(eid, exc)
-        return failed
+            return fold_installs(fleet, eids, results, time.perf_counter() - t0, "collective")

@@ -11,15 +11,20 @@ any hardware; costs a device-to-host copy, a CRC32 and a file per push.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import WeightManifest, decode
-from services.refit.result import RefitResult, engine_gone
+from services.refit.result import GroupInstall, RefitResult, engine_gone, record_install_metrics, slowest
 
 if TYPE_CHECKING:
     from services.config import Recipe
     from services.pool.fleet import Fleet
+
+log = logging.getLogger("inflight.refit")
+STATS_TIMEOUT_S = 10.0
+"""Longest an engine may take to report how its install went (the push stands either way)."""
 
 
 class ObjectStoreRefit:
@@ -75,9 +80,11 @@ class ObjectStoreFanout:
             results = await asyncio.gather(*[self._install(eid, manifest_bytes, owned, reset, timeout_s)
                                              for eid in targets], return_exceptions=True)
             failed: dict[str, BaseException] = {}
+            reports: list[GroupInstall] = []
             for eid, res in zip(targets, results, strict=True):
                 if not isinstance(res, BaseException):
                     installed.append(eid)
+                    reports += [res] if res is not None else []
                 elif engine_gone(res):  # restarted later with the latest weights
                     fleet.mark_down(eid, res)
                 else:
@@ -90,7 +97,10 @@ class ObjectStoreFanout:
             fleet.metrics.refit_seconds.observe(seconds)
             fleet.metrics.refit_bytes.inc(manifest.total_bytes * len(installed))
             return RefitResult(version=fleet.version, seconds=seconds, bytes=manifest.total_bytes,
-                               engines=len(installed))
+                               engines=len(installed),
+                               pause_seconds_max=max((r.pause_s for r in reports), default=None),
+                               install_seconds_max=max((r.install_s for r in reports), default=None),
+                               transport="object_store", phases=slowest([r.phases for r in reports if r.phases]))
 
     async def reinstall(self, eid: str) -> bool:
         """Install the kept push on ``eid`` (``reset=True``: a restarted engine, whatever version it holds);
@@ -105,9 +115,17 @@ class ObjectStoreFanout:
             return True
 
     async def _install(self, eid: str, manifest_bytes: bytes, refs: list, reset: bool,
-                       timeout_s: float | None = None) -> int:
+                       timeout_s: float | None = None) -> GroupInstall | None:
+        """Install on ``eid``; returns how it went (its pause and phases, counted in the pool's metrics), or
+        None if the engine did not say in time (the install stands)."""
         timeout_s = timeout_s or self.fleet.recipe.policy.refit_timeout_s
-        version = await asyncio.wait_for(self.fleet.handles[eid].install.remote(manifest_bytes, refs, reset),
-                                         timeout_s)
+        handle = self.fleet.handles[eid]
+        version = await asyncio.wait_for(handle.install.remote(manifest_bytes, refs, reset), timeout_s)
         self.fleet.table.set_version(eid, version)
-        return version
+        try:
+            report = GroupInstall.from_stats(version, await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - the install stands; only its report is missing
+            log.warning("engine %s installed v%d but did not report how: %s", eid, version, exc)
+            return None
+        record_install_metrics(self.fleet, report, held=False)
+        return report

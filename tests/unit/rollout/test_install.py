@@ -1,5 +1,6 @@
 """The install state machine (rollout.install) against a fake vLLM client: verify before touching the engine,
-pause -> install -> reset prefix cache -> label -> advance the version, always resume."""
+pause -> drain -> install -> label -> advance the version, always resume, then reset the prefix cache; every
+step timed."""
 from __future__ import annotations
 
 import asyncio
@@ -53,9 +54,9 @@ class FakeLLM:
             raise RuntimeError(f"{method} broke")
         if method == "inflight_reload_weights":
             self.staged_files.append((Path(kwargs["weights_path"]) / "model.safetensors").exists())
-        if method == "inflight_receive_weights":
+        if method in ("inflight_receive_weights", "inflight_map_ipc"):
             return self.received
-        if method == "inflight_install_received":
+        if method in ("inflight_install_received", "inflight_install_mapped"):
             return [{"path": "reload", "refused_reason": "plain load raised", "copy_refused_reason": ""}]
         return [None]
 
@@ -71,7 +72,7 @@ def installer(version: int = 2, engine_side: bool = True, timeout_s: float = 5.0
 def test_a_good_push_is_installed_in_order_and_the_version_advances():
     inst, llm = installer(), FakeLLM()
     assert asyncio.run(inst.install(llm, *push(3))) == 3 == inst.version
-    assert llm.calls == ["pause:keep:False", "inflight_reload_weights", "reset_prefix_cache", "label:3", "resume"]
+    assert llm.calls == ["pause:keep:False", "inflight_reload_weights", "label:3", "resume", "reset_prefix_cache"]
     assert llm.staged_files == [True]
     assert inst.stats.refits == 1 and inst.stats.refit_bytes_last == 24 and inst.stats.refit_rejected == 0
 
@@ -144,8 +145,8 @@ def test_a_group_push_is_checked_before_the_pause_and_dropped_if_rejected():
     manifest, _ = push(3)
     inst, llm = installer(), FakeLLM(received=[encode(manifest)])
     assert asyncio.run(inst.install_from_group(llm, direct_load=True)) == 3
-    assert llm.calls == ["inflight_receive_weights", "pause:keep:False", "inflight_install_received",
-                         "reset_prefix_cache", "label:3", "resume"]
+    assert llm.calls == ["inflight_receive_weights", "pause:keep:False", "inflight_install_received", "label:3",
+                         "resume", "reset_prefix_cache"]
     assert inst.stats.install_path_last == "reload" and inst.stats.direct_load_refused == "plain load raised"
     other, _ = push(4, value=2.0)
     llm = FakeLLM(received=[encode(push(4)[0]), encode(other)])
@@ -154,10 +155,9 @@ def test_a_group_push_is_checked_before_the_pause_and_dropped_if_rejected():
     assert llm.calls == ["inflight_receive_weights", "inflight_drop_received"] and inst.version == 3
 
 
-def test_the_engine_pauses_without_pause_generations_fixed_sleep_where_labels_are_engine_side():
+def test_the_engine_pauses_without_pause_generations_fixed_sleep():
     """``rollout.install.pause`` asks the engine client to pause (what ``AsyncLLM.pause_generation`` does
-    before its 20 ms sleep); with streamed labels, or where the client cannot, it takes the full
-    ``pause_generation``."""
+    before its 20 ms sleep); only where the client cannot does it take the full ``pause_generation``."""
     calls = []
 
     class Core:
@@ -174,9 +174,93 @@ def test_the_engine_pauses_without_pause_generations_fixed_sleep_where_labels_ar
     class OldClient(Client):
         engine_core = None
 
-    asyncio.run(pause(Client(), "keep", False, settle=False))
+    asyncio.run(pause(Client(), "keep", False))
     assert calls == [("core", "keep", False)]
-    asyncio.run(pause(Client(), "keep", False, settle=True))  # streamed labels: the front end must catch up
-    assert calls[-1] == ("generation", "keep", False)
-    asyncio.run(pause(OldClient(), "wait", True, settle=False))
+    asyncio.run(pause(OldClient(), "wait", True))
     assert calls[-1] == ("generation", "wait", True)
+
+
+class SlowLLM(FakeLLM):
+    """Each engine call takes its own time, so the breakdown can be checked against it."""
+
+    delays = {"pause": 0.03, "inflight_reload_weights": 0.05, "resume": 0.02, "reset_prefix_cache": 0.04}
+
+    async def pause_generation(self, mode, clear_cache):
+        await asyncio.sleep(self.delays["pause"])
+        await super().pause_generation(mode, clear_cache)
+
+    async def resume_generation(self):
+        await asyncio.sleep(self.delays["resume"])
+        await super().resume_generation()
+
+    async def reset_prefix_cache(self):
+        await asyncio.sleep(self.delays["reset_prefix_cache"])
+        return await super().reset_prefix_cache()
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        await asyncio.sleep(self.delays.get(method, 0.0))
+        return await super().collective_rpc(method, args, kwargs)
+
+
+def test_every_step_of_an_install_is_timed_and_the_prefix_reset_is_outside_the_pause():
+    inst, llm = installer(), SlowLLM()
+    asyncio.run(inst.install(llm, *push(3)))
+    t = inst.stats.phases_last
+    assert 0.03 <= t.pause_s < 0.03 + 0.025 and 0.05 <= t.install_s < 0.05 + 0.025
+    assert 0.02 <= t.resume_s < 0.02 + 0.025 and 0.04 <= t.prefix_reset_s < 0.04 + 0.025
+    assert t.settle_s == 0.0 and t.receive_s == 0.0 and t.verify_s > 0 and t.stage_s > 0
+    inside = t.pause_s + t.settle_s + t.drain_s + t.install_s + t.label_s + t.resume_s
+    assert inside <= t.paused_s < inside + 0.01 and t.paused_s == inst.stats.pause_seconds_last
+    assert t.paused_s + t.prefix_reset_s + t.verify_s + t.stage_s <= t.total_s == inst.stats.refit_seconds_last
+    stats = inst.stats.as_dict()
+    assert stats["phases_last"]["prefix_reset_s"] == t.prefix_reset_s  # plain values for the engine's stats()
+
+
+def test_vllms_own_order_is_a_setting_a_fixed_settle_and_the_prefix_reset_inside_the_pause():
+    """What ``bench/gpu_smoke.py`` runs as "before": the sleep of ``pause_generation`` and the reset inside."""
+    inst, llm = installer(), SlowLLM()
+    inst.settings.settle_s, inst.settings.prefix_reset_inside = 0.02, True
+    asyncio.run(inst.install(llm, *push(3)))
+    t = inst.stats.phases_last
+    assert llm.calls == ["pause:keep:False", "inflight_reload_weights", "reset_prefix_cache", "label:3", "resume"]
+    assert 0.02 <= t.settle_s < 0.045 and t.paused_s >= t.prefix_reset_s + t.settle_s + t.install_s
+
+
+def test_a_drain_that_runs_out_is_counted_with_the_backlog_it_met():
+    class Core:
+        outputs_queue: asyncio.Queue
+
+        async def pause_scheduler_async(self, mode, clear_cache):
+            pass
+
+    async def scenario():
+        core = Core()
+        core.outputs_queue = asyncio.Queue()
+        for item in ("a", "b", "c"):
+            core.outputs_queue.put_nowait(item)  # the front end never takes them
+        llm = FakeLLM()
+        llm.engine_core = core  # pyright: ignore[reportAttributeAccessIssue]
+        inst = installer(engine_side=False)
+        await inst.install(llm, *push(3))
+        return inst.stats
+    stats = asyncio.run(scenario())
+    assert stats.version_drain_incomplete == 1 and not stats.drain_complete_last and stats.drain_backlog_last == 3
+    assert stats.phases_last.drain_s >= 0.5  # rollout.streamed.DRAIN_LIMIT_S
+
+
+def test_a_cuda_ipc_push_is_mapped_checked_and_installed_and_a_rejected_one_is_let_go():
+    manifest, _ = push(3)
+    inst, llm = installer(), FakeLLM(received=[encode(manifest)])
+    assert asyncio.run(inst.install_ipc(llm, manifest, [["share"]])) == 3
+    assert llm.calls == ["inflight_map_ipc", "pause:keep:False", "inflight_install_mapped", "label:3", "resume",
+                         "reset_prefix_cache"]
+    assert inst.stats.phases_last.receive_s > 0 and inst.stats.install_path_last == "reload"
+    llm = FakeLLM(fail="inflight_map_ipc")
+    with pytest.raises(WeightUpdateError, match="weight push not received: RuntimeError: inflight_map_ipc broke"):
+        asyncio.run(inst.install_ipc(llm, push(4)[0], [["share"]]))
+    assert llm.calls == ["inflight_map_ipc", "inflight_drop_mapped"] and inst.version == 3
+    stale, _ = push(3)
+    llm = FakeLLM(received=[encode(stale)])
+    with pytest.raises(WeightUpdateError, match="must be greater than the version being served"):
+        asyncio.run(inst.install_ipc(llm, stale, [["share"]]))
+    assert llm.calls == ["inflight_map_ipc", "inflight_drop_mapped"] and inst.stats.refit_rejected == 2

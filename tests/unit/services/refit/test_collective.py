@@ -112,7 +112,7 @@ def test_the_pools_weight_group_plans_ranks_tracks_incarnations_and_installs_ato
         assert group.current() and fleet.handles["e1"].joined == [(3, 4)]
         out = await group.install(reset=True)
         assert out == RefitResult(version=5, seconds=out.seconds, bytes=100, engines=2, pause_seconds_max=0.02,
-                                  install_seconds_max=0.01, install_paths=("reload",))
+                                  install_seconds_max=0.01, install_paths=("reload",), transport="collective")
         assert fleet.version == 5 and fleet.kept is None and fleet.table.serving(5) == ["e0", "e1"]
         fleet.handles["e1"].reject = True
         with pytest.raises(RefitError, match="rejected"):

@@ -3,12 +3,14 @@ not rejected by the engines that installed it the first time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 
 from protocol import WeightManifest, decode, encode
 from protocol.weights import pack_buckets
+from rollout.install import PauseBreakdown
 from rollout.weight_receiver import WeightUpdateError
 from services.config import load_recipe
 from services.pool.fleet import Fleet
@@ -33,6 +35,14 @@ class FakeInstaller:
     def __init__(self, fail_first: int = 0):
         self.version, self.calls, self.fail_first = 0, 0, fail_first
         self.install = ActorMethod(self._install)
+        self.stats = ActorMethod(self._stats)
+
+    async def _stats(self):
+        """What RolloutEngine.stats() says about the last install (the pool's metrics read it)."""
+        phases = dict.fromkeys(f.name for f in dataclasses.fields(PauseBreakdown))
+        return {"refit_bytes_last": 8, "pause_seconds_last": 0.01 * self.calls, "install_seconds_last": 0.004,
+                "install_path_last": "", "drain_complete_last": self.calls != 3,
+                "phases_last": {k: 0.001 * self.calls for k in phases}}
 
     async def _install(self, manifest_bytes, refs, reset):
         self.calls += 1
@@ -70,10 +80,16 @@ def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engin
         assert fleet.version == 0 and fleet.kept is None and good.version == 1 and flaky.version == 0
         assert fleet.metrics.refit_failures.labels(reason="rejected")._value.get() == 1
         out = await fanout.push(encode(manifest), refs())
-        assert out == RefitResult(version=1, seconds=out.seconds, bytes=manifest.total_bytes, engines=2)
+        assert out == RefitResult(version=1, seconds=out.seconds, bytes=manifest.total_bytes, engines=2,
+                                  pause_seconds_max=0.02, install_seconds_max=0.004, transport="object_store",
+                                  phases=PauseBreakdown(**dict.fromkeys(out.phases.__dict__, 0.002)))
         assert fleet.version == 1 and flaky.version == 1 and fleet.kept is not None
         assert good.calls == 1                       # kept what it had installed; not asked again
+        assert fleet.metrics.version_drain_incomplete._value.get() == 0
         assert await fanout.reinstall("e1") and flaky.calls == 3   # the kept push, reset, for a restarted engine
+        # its drain ran out (this fake's third install): counted, and the last phases shown by phase
+        assert fleet.metrics.version_drain_incomplete._value.get() == 1
+        assert fleet.metrics.refit_phase_seconds.labels(phase="paused")._value.get() == 0.003
 
     asyncio.run(scenario())
 
