@@ -12,8 +12,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from services import console, ray_runtime
 from services import pool as pool_api
-from services import ray_runtime
 from services.config import Recipe
 from services.job.learner_actor import LearnerGroup
 from services.model_source import resolve_model
@@ -65,6 +65,8 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
             print(f"reward curve: {job.log.plot_rewards()}")
         except ImportError as exc:  # matplotlib is optional on GPU hosts
             print(f"reward curve: skipped ({exc})")
+        if (screen := console.active()) is not None:
+            print(f"logs: {screen.log_dir}")
         return job.log.path
     finally:
         job.close()
@@ -75,13 +77,13 @@ def run_embedded(recipe: Recipe, run_dir: Path) -> Path:
     """``inflight run``: local Ray + pool + learner on this machine, torn down at the end."""
     ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:
-        status = deploy_pool(recipe, run_dir)
-        print(f"rollout pool {status['name']!r} ready at version {status['version']}; "
-              f"metrics: {status['http']}/metrics  health: {status['http']}/healthz  ready: {status['http']}/readyz",
-              file=sys.stderr)
-        return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=False)
-    finally:
+        status = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
         try:
-            pool_api.shutdown(recipe.rollout_pool.name)
+            print(f"rollout pool {status['name']!r} ready at version {status['version']}; "
+                  f"metrics: {status['http']}/metrics  health: {status['http']}/healthz  "
+                  f"ready: {status['http']}/readyz", file=sys.stderr)
+            return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=False)
         finally:
-            ray_runtime.shutdown()
+            pool_api.shutdown(recipe.rollout_pool.name)
+    finally:
+        ray_runtime.shutdown()

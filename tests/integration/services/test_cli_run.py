@@ -1,18 +1,44 @@
-"""`inflight run` end to end, as `make run` calls it: its own local Ray, pool, learner, teardown."""
+"""`inflight run` end to end, as `make run` calls it: its own local Ray, pool, learner, teardown; and its console.
+
+The console is quiet: Inflight's own lines only (at most 40 for a run without warnings, stdout and stderr
+together), the Ray, Serve and vLLM logs in RUN_DIR/logs; ``--verbose`` prints them as well. An error inside an
+actor still reaches the quiet console, attributed: checked with a pool whose engine cannot load its reward
+function (it fails in ~20 s), and (slow) with a learner rank whose checkpoint cannot be written.
+"""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+MAX_CONSOLE_LINES = 40
+"""Issue 20's goal for `make run` (20 steps; start-up and shutdown dominate, so 2 steps count the same)."""
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"]
+BAD_REWARD = "env.reward_fn=no_such_reward_module:score"
+ROTATE_AT = 8192
+"""Bytes at which the first run's per-process logs rotate (``RAY_ROTATION_MAX_BYTES``; Inflight's default 16 MiB)."""
+LIBRARY_INFO = ("Got updated endpoints", "Started a local Ray instance", "Initializing a V1 LLM engine",
+                "Loading safetensors checkpoint shards", "Apex is not installed")
+"""Lines Ray, Serve, vLLM and Megatron print at every start (before the console was quiet: 721 lines in all)."""
 
 
-def test_inflight_run_two_steps(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
-    out = subprocess.run([sys.executable, "-m", "services.cli", "run", "--steps", "2", "--run-dir", str(tmp_path),
-                          "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"],
-                         env=env, capture_output=True, text=True, timeout=600)
+def inflight_run(run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_ROTATION_"))}
+    return subprocess.run([sys.executable, "-m", "services.cli", "run", "--run-dir", str(run_dir), *args],
+                          env={**base, "PYTHONUNBUFFERED": "1", **env}, capture_output=True, text=True, timeout=600)
+
+
+def console_lines(out: subprocess.CompletedProcess) -> list[str]:
+    return out.stdout.splitlines() + out.stderr.splitlines()
+
+
+def test_inflight_run_two_steps_prints_its_own_lines_and_files_the_libraries_logs(tmp_path):
+    out = inflight_run(tmp_path, "--steps", "2", *SMALL, RAY_ROTATION_MAX_BYTES=str(ROTATE_AT))
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -20,3 +46,56 @@ def test_inflight_run_two_steps(tmp_path):
     assert "/metrics" in out.stderr                          # tells the user where the endpoint is
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert (tmp_path / "results" / "checkpoints" / "latest").exists()
+
+    lines = console_lines(out)
+    assert len(lines) <= MAX_CONSOLE_LINES, "\n".join(lines)
+    assert not [ln for ln in lines if any(s in ln for s in LIBRARY_INFO)], "\n".join(lines)
+    assert f"logs: {tmp_path / 'logs'}" in out.stdout
+    logs = tmp_path / "logs"
+    assert "Started a local Ray instance" in (logs / "driver.log").read_text()
+    ray_logs = logs / "ray"
+    assert ray_logs.is_dir() and not ray_logs.is_symlink()   # a copy: the private cluster's temp dir is gone
+    workers = {p.name: p.read_text(errors="replace") for p in ray_logs.glob("worker-*.*")}
+    assert any("Initializing a V1 LLM engine" in text for text in workers.values()), sorted(workers)  # vLLM
+    assert any("Apex is not installed" in text for text in workers.values()), sorted(workers)  # Megatron's warnings
+    assert list((ray_logs / "serve").glob("replica_*.log")) and list((ray_logs / "serve").glob("controller_*.log"))
+    rotated = [name for name in workers if name.endswith(".out.1")]  # the engine's output (~15 kB) rotated
+    assert rotated and all(len(workers[n]) <= ROTATE_AT for n in rotated), sorted(workers)
+
+
+def test_an_engine_that_fails_inside_its_actor_reaches_the_quiet_console_attributed(tmp_path):
+    out = inflight_run(tmp_path, "--steps", "1", BAD_REWARD)
+    assert out.returncode == 1, out.stderr[-4000:]
+    lines = console_lines(out)
+    forwarded = [ln for ln in lines if re.match(r"^\S*\(ServeReplica:inflight-pool:RolloutPool pid=\d+\)\S* ERROR "
+                                                r"inflight\.pool: pool inflight-pool: start-up failed", ln)]
+    assert len(forwarded) == 1 and "no_such_reward_module" in forwarded[0], "\n".join(lines)
+    assert lines[-1].startswith("inflight: rollout pool 'inflight-pool' did not start: "), "\n".join(lines)
+    assert "engine inflight-pool-engine-0" in lines[-1] and "no_such_reward_module" in lines[-1], "\n".join(lines)
+    assert "Traceback" not in out.stderr, "\n".join(lines)
+    assert len(lines) <= 4, "\n".join(lines)
+
+
+def test_verbose_prints_the_libraries_logs_too(tmp_path):
+    out = inflight_run(tmp_path, "--verbose", "--steps", "1", BAD_REWARD)
+    assert out.returncode == 1, out.stderr[-4000:]
+    lines = console_lines(out)
+    assert "Started a local Ray instance" in out.stderr and "Got updated endpoints" in out.stderr, "\n".join(lines)
+    assert len(lines) > 10, "\n".join(lines)
+    assert "did not start" in lines[-1] and "no_such_reward_module" in lines[-1]
+    assert "Started a local Ray instance" in (tmp_path / "logs" / "driver.log").read_text()  # filed as well
+
+
+@pytest.mark.slow
+def test_a_learner_exception_is_one_attributed_line_and_its_traceback_is_filed(tmp_path):
+    """The learner rank's checkpoint directory is taken by a file: ``save_checkpoint`` raises in the actor."""
+    blocked = tmp_path / "results" / "checkpoints" / "step_000001"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("not a directory")
+    out = inflight_run(tmp_path, "--steps", "1", *SMALL)
+    assert out.returncode == 1, out.stderr[-4000:]
+    last = out.stderr.splitlines()[-1]
+    assert re.match(r"^inflight: LearnerActor\.save_checkpoint \(pid \d+\) failed: \w+Error: ", last), out.stderr
+    assert last.endswith(f"(traceback: {tmp_path / 'logs' / 'driver.log'})") and "Traceback" not in out.stderr
+    assert "Traceback" in (tmp_path / "logs" / "driver.log").read_text()
+    assert len(console_lines(out)) <= MAX_CONSOLE_LINES
