@@ -2,8 +2,9 @@
 
 A pool must outlive the command that deployed it, so it cannot live in a
 driver-scoped local cluster. When no cluster is given, ``ensure_cluster``
-starts a head node (``ray start --head``) with its own temp dir and token
-authentication on (its token in INFLIGHT_HOME, see ``cluster_auth``), and records
+starts a head node (``ray start --head``) with its own temp dir, token
+authentication on (its token in INFLIGHT_HOME, see ``cluster_auth``) and its dashboard
+on a free port of 127.0.0.1 (Ray's job server: ``inflight learner submit``), and records
 it in ``INFLIGHT_HOME/cluster.json`` (default ``~/.inflight``); later commands
 find it there, and ``stop_cluster`` ends exactly that node's processes.
 """
@@ -41,6 +42,14 @@ def known_address() -> str | None:
     return state["address"] if state else None
 
 
+def dashboard_address(address: str) -> str | None:
+    """The job server (dashboard) URL of the head ``ensure_cluster`` started, when ``address`` is that head."""
+    state = _state()
+    if state and state.get("dashboard_address") and _same_endpoint(address, state["address"]):
+        return state["dashboard_address"]
+    return None
+
+
 def token_for(address: str) -> Path | None:
     """The token file of the head ``ensure_cluster`` started, when ``address`` is that head."""
     state = _state()
@@ -55,15 +64,20 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
     if addr and (os.environ.get("RAY_ADDRESS") or _alive(addr)):
         return addr
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
-    port = free_port()
+    port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     token = cluster_auth.write_token(state_dir())
+    # The dashboard hosts Ray's job server (`inflight learner submit`); its agent gets a free port too (the
+    # default 52365 would collide with another head on this machine, and jobs go through that agent).
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--temp-dir={temp}",
-           "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+           f"--dashboard-agent-listen-port={agent_port}",
+           "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=cluster_auth.head_env(token))
     if out.returncode != 0:
         raise RuntimeError(f"could not start a Ray head node: {out.stderr.strip()[-500:]}")
     addr = f"127.0.0.1:{port}"
-    state = {"address": addr, "temp_dir": temp, "auth_mode": "token", "token_path": str(token),
+    state = {"address": addr, "dashboard_address": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp,
+             "auth_mode": "token", "token_path": str(token),
              "head_pids": cluster_procs.snapshot(cluster_procs.root_pids(temp, port))}
     state_file().write_text(json.dumps(state, indent=1))
     return addr
