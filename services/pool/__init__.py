@@ -4,10 +4,13 @@ A learner job attaches by name (:func:`connect`), gives the pool its trajectory
 channel, submits prompts and pushes weights; when it goes away the pool keeps
 serving its last version. This module is the pool's public face: :func:`deploy`,
 :func:`connect`, :func:`shutdown`, :func:`http_port` and the deployment
-:class:`RolloutPool`. Its parts: ``deployment`` (the Serve class and HTTP),
-``fleet`` and ``engine_table`` (the engines), ``dispatch`` (prompts and re-queue),
-``watcher`` (health), ``startup`` and ``placement`` (boot), ``engine_actor``,
-``metrics``. The pool wing imports nothing from the job wing (``services.job``).
+:class:`RolloutPool` (whose ``scale`` adds or removes engines while it serves).
+Its parts: ``deployment`` (the Serve class and HTTP), ``fleet`` and
+``engine_table`` (the engines, their states and scaling), ``dispatch`` (prompts,
+re-queue and the drain of removed engines), ``watcher`` (health, and the
+admission of new engines), ``startup`` and ``placement`` (boot),
+``engine_actor``, ``metrics``. The pool wing imports nothing from the job wing
+(``services.job``).
 """
 from __future__ import annotations
 

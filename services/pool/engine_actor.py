@@ -286,9 +286,17 @@ class EngineActor:
     async def install_from_group(self, reset: bool = False) -> GroupInstall:
         """Receive the weight group's next push and install it in flight."""
         version = await self._unless_dead(self.engine.install_from_group(reset=reset))
-        s = self.engine.stats()
-        return GroupInstall(version=version, bytes=s["refit_bytes_last"], pause_s=s["pause_seconds_last"],
-                            install_s=s["install_seconds_last"], install_path=s["install_path_last"])
+        return GroupInstall.from_stats(version, self.engine.stats())
+
+    async def install_ipc(self, manifest_bytes: bytes, shares: list, reset: bool = False) -> GroupInstall:
+        """Map a colocated learner's buckets through their CUDA IPC ``shares`` and install them in flight."""
+        manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
+        version = await self._unless_dead(self.engine.install_ipc(manifest, shares, reset=reset))
+        return GroupInstall.from_stats(version, self.engine.stats())
+
+    async def gpu_uuids(self) -> list[str]:
+        """The UUID of each vLLM worker's GPU ('' on CPU)."""
+        return await self._unless_dead(self.engine.gpu_uuids())
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         out = await self.engine.logprobs_of(prompt_ids, response_ids)

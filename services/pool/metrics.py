@@ -58,8 +58,16 @@ class PoolMetrics:
         self.refit_seconds = Histogram("inflight_refit_seconds", "Seconds of one weight push to all engines",
                                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.refit_pause_seconds = Histogram(
-            "inflight_refit_pause_seconds", "Seconds an engine's generation was paused for one collective push",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 5), registry=r)
+            "inflight_refit_pause_seconds", "Seconds an engine's generation was paused for one push",
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 5), registry=r)
+        self.refit_phase_seconds = Gauge(
+            "inflight_refit_phase_seconds", "Seconds of each phase of the last push on an engine (verify, stage, "
+            "receive before the pause; pause, settle, drain, install, label, resume and paused in all inside it; "
+            "prefix_reset after it; total)", ["phase"], registry=r)
+        self.version_drain_incomplete = Counter(
+            "inflight_version_drain_incomplete", "In-flight installs where the front end had not delivered every "
+            "output produced before the pause within the drain bound, so streamed version labels may be off by "
+            "those tokens (should stay 0)", registry=r)
         self.weight_installs = Counter(
             "inflight_weight_installs", "Collective pushes installed per engine, by path (reload: vLLM's layerwise "
             "reload_weights; direct: plain load_weights, proven equal; copy: the proven copy plan; checked: "
@@ -80,6 +88,11 @@ class PoolMetrics:
             "(their prompts are reported to the learner as undelivered)", registry=r)
         self.engine_up = Gauge("inflight_engine_up", "1 if the engine answers its health check", ["engine"],
                                registry=r)
+        self.engines = Gauge("inflight_engines", "Engines of the pool by state (starting, up, stale, draining, "
+                             "down; services.pool.engine_table.STATES)", ["state"], registry=r)
+        self.scale_events = Counter("inflight_pool_scale_events", "Pool scale requests (inflight pool scale, "
+                                    "POST /v1/admin/scale) by direction (up, down, none: already that size) and "
+                                    "outcome (done, refused, failed)", ["direction", "outcome"], registry=r)
         self.learner_attached = Gauge("inflight_learner_attached", "1 while a learner job is attached", registry=r)
         self.learner_step = Gauge("inflight_learner_step", "Last step reported by the learner", registry=r)
         self.reward_mean = Gauge("inflight_reward_mean", "Mean reward of the last trained step", registry=r)

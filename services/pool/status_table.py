@@ -1,7 +1,7 @@
 """``inflight pool status`` as a person reads it: the pool's status dict rendered as plain-text tables.
 
 :func:`render` takes what :meth:`services.pool.deployment.RolloutPool.status` returns (``--json`` prints
-that dict as it is) and writes a header line, the engines (id, up/down, version, pid, last error), the
+that dict as it is) and writes a header line, the engines (id, state, version, pid, last error), the
 learner (attached, id, step, reward) and the last refit (seconds, bytes, pause). The learner's step,
 reward and refit numbers come from its last step report (``status["last_report"]``, the report
 :meth:`~services.job.learner_job.LearnerJob` sends each step) and show ``-`` while there is none.
@@ -58,18 +58,31 @@ def _value(v: Any, spec: str = "") -> str:
     return format(v, spec) if spec and isinstance(v, (int, float)) else str(v)
 
 
+def engine_state(e: dict, pool_version: int | None) -> str:
+    """The engine's ``state`` as the pool named it (``services.pool.engine_table.STATES``: starting, up, stale,
+    draining, down); for a status without one, ``up``/``down`` and ``stale`` when up at another version."""
+    if e.get("state"):
+        return str(e["state"])
+    if not e.get("up"):
+        return "down"
+    return "stale" if pool_version is not None and e.get("version") != pool_version else "up"
+
+
 def engines_table(engines: dict[str, dict], pool_version: int | None) -> str:
-    """One row per engine: id, up/down (``up, behind`` when up at another version than the pool's), version,
-    pid, last error (cut to one line)."""
+    """One row per engine: id, state (:func:`engine_state`), version, pid, last error (cut to one line)."""
     rows = []
-    for eid, e in sorted(engines.items()):
-        state = "up" if e.get("up") else "down"
-        if e.get("up") and pool_version is not None and e.get("version") != pool_version:
-            state = "up, behind"
+    for eid, e in sorted(engines.items(), key=lambda kv: _engine_order(kv[0])):
+        state = engine_state(e, pool_version)
         err = " ".join(str(e.get("error") or NONE).split())
         rows.append([eid, state, _value(e.get("version")), _value(e.get("pid")),
                      err if len(err) <= ERROR_WIDTH else err[:ERROR_WIDTH - 3] + "..."])
     return table(["engine", "state", "version", "pid", "last error"], rows or [["(none)", "", "", "", ""]])
+
+
+def _engine_order(eid: str) -> tuple[str, int]:
+    """``p-engine-2`` before ``p-engine-10``."""
+    head, _, tail = eid.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (eid, -1)
 
 
 def learner_table(learner: dict | None, report: dict | None, now: float) -> str:

@@ -7,6 +7,8 @@ checks of the others. An engine whose vLLM is not running is marked down,
 started again and brought to the pool's version (the kept object-store push,
 ``reset=True``) before it takes work; then waiting batches are sent. An answer
 that comes late counts as down only ``HEALTH_TIMEOUTS_TO_DOWN`` times in a row.
+An engine a scale-up adds goes through the same check at once (:meth:`HealthWatcher.admit`);
+one a scale-down drains or removed is checked no more.
 """
 from __future__ import annotations
 
@@ -43,27 +45,46 @@ class HealthWatcher:
         self.late_checks: dict[str, int] = {}
         """Health checks answered late in a row, by engine id (and ``LEARNER_CHECK``)."""
         self._counted: dict[str, dict] = {}
+        self._checks: dict[str, asyncio.Task] = {}
+        """The running (or last) check of each engine: at most one at a time per engine."""
 
     async def watch(self) -> None:
         """Every ``period_s``: check the learner, then each engine in a task of its own."""
         await self.fleet.ready.wait()
-        checks: dict[str, asyncio.Task] = {}
         try:
             while True:
                 await asyncio.sleep(self.period_s)
                 await self.check_learner()
+                for eid in list(self._checks):
+                    if eid not in self.fleet.handles:  # removed by a scale-down
+                        self._checks.pop(eid).cancel()
                 for eid in self.fleet.handles:
-                    if eid not in checks or checks[eid].done():
-                        checks[eid] = asyncio.get_running_loop().create_task(self.check_engine(eid))
+                    self._check_task(eid)
                 self.dispatcher.send_waiting()
         finally:
-            for task in checks.values():
+            for task in self._checks.values():
                 task.cancel()
+
+    def _check_task(self, eid: str) -> asyncio.Task:
+        """The running check of ``eid``, or a new one."""
+        task = self._checks.get(eid)
+        if task is None or task.done():
+            task = self._checks[eid] = asyncio.get_running_loop().create_task(self.check_engine(eid))
+        return task
+
+    async def admit(self, eid: str) -> None:
+        """A scale-up's new engine (already in ``fleet.handles``, booted): check it now as every period, which
+        installs the pool's kept push on it (or, after a collective push, leaves it up but stale until the
+        learner's next push brings it into the weight group) and marks it up; it takes work once it holds the
+        pool's version. A check that fails leaves it down, retried every period."""
+        await self._check_task(eid)
 
     async def check_engine(self, eid: str) -> None:
         """Health-check one engine; restart its vLLM engine if it is down and bring it to the pool's
-        version before it takes work again."""
-        fleet, eng = self.fleet, self.fleet.handles[eid]
+        version before it takes work again. A draining or removed engine is not checked."""
+        fleet, eng = self.fleet, self.fleet.handles.get(eid)
+        if eng is None or (eid in fleet.table and fleet.table[eid].draining):
+            return
         try:
             h = await self._health(eid)
             if h is None:

@@ -16,7 +16,8 @@ def status_of(pool, report: dict | None = None) -> dict:
     """``RolloutPool.status`` itself (the class under Serve's deployment), on the parts of ``pool``, after the
     learner's step ``report`` went through ``RolloutPool.report_step``."""
     me = types.SimpleNamespace(name=pool.fleet.name, fleet=pool.fleet, dispatcher=pool.dispatcher,
-                               metrics=pool.fleet.metrics, _last_report=None, _ensure_started=lambda: None)
+                               metrics=pool.fleet.metrics, _last_report=None, _ensure_started=lambda: None,
+                               history=types.SimpleNamespace(record=lambda *args: None))
     cls = RolloutPool.func_or_class  # type: ignore[attr-defined]
     if report is not None:
         asyncio.run(cls.report_step(me, {**report, "trajectory_ages": [1, 1], "rejected": {}}))
@@ -54,9 +55,23 @@ def test_table_without_learner_or_report():
     assert "recent errors:\n  refit v1 timeout" in text
 
 
-def test_engine_up_at_an_old_version_is_behind():
+def test_engine_up_at_an_old_version_is_stale():
     text = render({"name": "p", "version": 3, "engines": {"e": {"up": True, "version": 2, "pid": 9}}})
-    assert "up, behind" in text
+    assert text.splitlines()[5].split()[:2] == ["e", "stale"]
+
+
+def test_engines_starting_stale_and_draining_during_a_scale_show_their_state_in_engine_order():
+    pool = pool_of({f"p-engine-{i}": FakeEngine(True) for i in (0, 2, 10)})
+    pool.fleet.version = 3
+    pool.fleet.table.set_version("p-engine-0", 3)
+    pool.fleet.table.mark_draining("p-engine-2")                    # being removed
+    pool.fleet.table.mark_starting("p-engine-11")                   # being added
+    status = status_of(pool)
+    assert {e: s["state"] for e, s in status["engines"].items()} == {
+        "p-engine-0": "up", "p-engine-2": "draining", "p-engine-10": "stale", "p-engine-11": "starting"}
+    rows = [li.split()[:2] for li in render(status).splitlines() if li.startswith("p-engine")]
+    assert rows == [["p-engine-0", "up"], ["p-engine-2", "draining"], ["p-engine-10", "stale"],
+                    ["p-engine-11", "starting"]]
 
 
 def test_formats():
