@@ -26,4 +26,16 @@ assert not torch.cuda.is_available() or True
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, "
       f"megatron-core {megatron.core.__version__}, ray {ray.__version__}")
 PY
+# 4. The status page's browser test drives Debian's Chromium through playwright (never `playwright install`).
+#    Installed here when missing and apt-get can (as root, or with password-less sudo); setup never fails on it:
+#    without /usr/bin/chromium that test skips and says why.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then AS_ROOT=(); elif sudo -n true 2>/dev/null; then AS_ROOT=(sudo -n); else AS_ROOT=(false); fi
+  APT=("${AS_ROOT[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -q -y)
+  echo "setup: installing chromium (apt-get) for the status page's browser test"
+  if ! { "${APT[@]}" install chromium >/dev/null 2>&1 \
+         || { "${APT[@]}" update >/dev/null 2>&1 && "${APT[@]}" install chromium >/dev/null 2>&1; }; }; then
+    echo "setup: could not install chromium (not root, or no package source); the browser test will skip"
+  fi
+fi
 echo "$want" > "$STAMP"

@@ -1,0 +1,110 @@
+"""The pool's status page (``GET /``) in a real browser during a real CPU run.
+
+Headless Chromium from Debian's ``chromium`` package, driven by playwright (never a downloaded browser), opens the
+page of the session's data pool once; a learner job then trains 24 async steps in a thread. Without reloading, the
+page must come to show that job's steps as plot points while it runs, then the pool's final version; it makes no
+request outside the pool and logs no error (a script or style blocked by its Content-Security-Policy would). A
+screenshot is kept as ``test-artifacts/status_page.png``; the assertions read the DOM.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from data_pool import POOL_NAME, data_recipe, write_problems
+
+from services.pool.status_page import RECENT_REFITS
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+"""Without the networking flags Chromium keeps trying to reach Google's services on a closed network."""
+STEPS = 24
+"""Enough for the page to update a few times while the job runs (a step of the data pool's tiny model takes
+0.3-1 s here)."""
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: install Debian's chromium "
+                                "package (`apt-get install -y chromium`; `make setup` does when apt-get is there)")
+
+POINTS_OF = """([learner, n]) => document.getElementById("run")?.textContent.includes(learner)
+    && document.querySelectorAll("#plot-reward circle.pt").length >= n"""
+SNAPSHOT = """() => ({points: document.querySelectorAll("#plot-reward circle.pt").length,
+    version: Number(document.getElementById("version").textContent)})"""
+SHOWS_VERSION = """([version, n]) => document.getElementById("version")?.textContent === String(version)
+    && document.querySelectorAll("#plot-reward circle.pt").length === n"""
+
+
+@pytest.mark.timeout(300)
+def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
+    from playwright.sync_api import sync_playwright
+
+    from services import pool as pool_api
+    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_job import LearnerJob
+    from services.job.loop_async import run_async
+    from services.model_source import resolve_model
+
+    url = f"http://{data_pool.rollout_pool.http_host}:{pool_api.http_port()}"
+    data = write_problems(tmp_path / "train.jsonl", 4 * STEPS)
+    recipe = data_recipe(f"grpo.max_num_steps={STEPS}", "data.dataset_name=null", f"data.train_data_path={data}",
+                         "checkpointing.enabled=false")
+    model_path = resolve_model(recipe.policy.model_name)
+    learner = LearnerGroup(recipe, model_path)
+    job = LearnerJob(recipe, model_path, pool_api.connect(POOL_NAME), learner, tmp_path / "run", resume=False)
+    failure: list[BaseException] = []
+
+    def train():
+        try:
+            run_async(job)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
+            failure.append(exc)
+
+    runner = threading.Thread(target=train, name="status-page-job", daemon=True)
+    requests: list[str] = []
+    problems: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch_persistent_context(
+                str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), headless=True,
+                args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 900})
+            try:
+                page = browser.new_page()
+                page.on("request", lambda r: requests.append(r.url))
+                page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: problems.append(str(e)))
+                page.goto(f"{url}/", wait_until="load")
+                assert page.title() == f"{POOL_NAME} - Inflight pool"
+                runner.start()
+                page.wait_for_function(POINTS_OF, arg=[job.id, 2], timeout=180_000, polling=500)
+                during = page.evaluate(SNAPSHOT) | {"alive": runner.is_alive()}
+                runner.join(timeout=120)
+                assert not runner.is_alive() and not failure, failure
+                final = httpx.get(f"{url}/v1/status", timeout=10).json()["version"]
+                page.wait_for_function(SHOWS_VERSION, arg=[final, STEPS], timeout=30_000, polling=500)
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "status_page.png"), full_page=True)
+                learner_text = page.locator("#learner").inner_text()
+                refits = page.locator("#refits tr").count()
+                engines = page.locator("#engines").inner_text()
+                phases = page.locator("#plot-phases rect.bar").count()
+                kl_points = page.locator("#plot-kl circle.pt").count()
+            finally:
+                browser.close()
+    finally:
+        if runner.is_alive():
+            runner.join(timeout=120)
+        job.close()
+        learner.shutdown()
+    print(f"status page: during the run {during}; final version {final}; {len(requests)} requests")
+    assert during["alive"] and 2 <= during["points"] < STEPS                # seen while the job trained
+    assert during["version"] >= during["points"]                          # a step is reported after its push
+    assert final == STEPS
+    assert job.id in learner_text and f"step\t{STEPS}" in learner_text
+    assert refits == 1 + RECENT_REFITS                                    # header + the last pushes
+    assert "up" in engines and f"{POOL_NAME}-engine-0" in engines
+    assert phases >= 2 * STEPS and kl_points >= STEPS                    # training + refit at least, probe KL
+    assert len(requests) > 2 and all(r.startswith(url + "/") for r in requests), requests  # fetched again; no CDN
+    assert not problems, problems
