@@ -3,29 +3,41 @@
     inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [key=value ...]
     inflight pool deploy --recipe PATH [--name N] [key=value ...]
     inflight pool status [--name N]
+    inflight pool scale --engines N [--name N] [--drain-timeout-s S] [--json]   (add or remove engines, live)
     inflight pool shutdown [--name N] [--stop-cluster]
-    inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]
+    inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]   (in the foreground)
+    inflight learner submit --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]   (the same, as a Ray job)
+    inflight learner status|logs|stop [--pool NAME] [--json] [--follow] [--timeout-s S]
     inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
     inflight env serve ENV [--host H] [--port 8300] [--kwargs JSON]   (an environment class over HTTP)
     inflight export --run-dir DIR [--step N] --out HF_DIR [--recipe PATH] [key=value ...]
-    inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral]
+    inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral|qwen2_5_vl]
                                  [--tie-word-embeddings] [--size tiny|small|0.6b]
 
 A NeMo-RL GRPO recipe is accepted as it is (docs/nemo_rl.md): the keys that have no meaning here are listed once
 on stderr, with why, before the command runs.
 
 User errors (bad recipe, bad arguments, a cluster that refuses the connection) print one line and exit 2; a
-pool that does not start prints its reason in one line and exits 1; no traceback.
+pool that does not start prints its reason in one line and exits 1; no traceback. An error out of an actor (a
+learner rank, an engine) prints one line naming it and exits 1; its traceback goes to RUN_DIR/logs/driver.log.
+
+``run``, ``pool deploy`` and ``learner attach`` print Inflight's own lines; the Ray, Serve and vLLM logs go to
+RUN_DIR/logs (``pool status|shutdown``: INFLIGHT_HOME/logs; ``--verbose`` prints them too):
+:mod:`services.console`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
+from services import console
 from services.cluster_auth import ClusterConnectError
 from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
+from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
 from services.pool.startup import PoolStartError
 
 EXIT_USER_ERROR = 2
@@ -92,7 +104,16 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from services.tiny_model import make_tiny_model
+    from services.tiny_vlm import ARCH as VLM_ARCH
+    from services.tiny_vlm import VLM_SIZES, make_tiny_vlm
 
+    if args.arch == VLM_ARCH:
+        if args.size not in VLM_SIZES or args.tie_word_embeddings:
+            raise UserError(f"--arch {VLM_ARCH}: --size must be one of {tuple(VLM_SIZES)} (got {args.size!r}) "
+                            "and --tie-word-embeddings is not offered")
+        out = make_tiny_vlm(args.dir, seed=args.seed, size=args.size, dtype=args.dtype)
+        print(f"wrote {VLM_ARCH}/{args.size} (seed {args.seed}; vision tower + language model) to {out}")
+        return 0
     out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, size=args.size, dtype=args.dtype,
                           tie_word_embeddings=args.tie_word_embeddings)
     tied = ", tied embeddings" if args.tie_word_embeddings else ""
@@ -106,6 +127,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     extra = [f"grpo.max_num_steps={args.steps}"] if args.steps else []
     recipe = _recipe(args, extra)
     run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    console.setup(run_dir, verbose=args.verbose)
     run_embedded(recipe, run_dir)
     return 0
 
@@ -115,15 +137,19 @@ def _cmd_pool_deploy(args: argparse.Namespace) -> int:
     from services.app import deploy_pool
 
     recipe = _recipe(args, [f"rollout_pool.name={args.name}"] if args.name else [])
+    run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    logs = console.setup(run_dir, verbose=args.verbose).log_dir
     ray_runtime.connect(cluster.ensure_cluster())
-    status = deploy_pool(recipe, Path(args.run_dir or recipe.logger.log_dir))
+    status = deploy_pool(recipe, run_dir)
     print(json.dumps(status, indent=2, default=str))
+    print(f"logs: {logs}", file=sys.stderr)
     return 0
 
 
 def _cmd_pool_status(args: argparse.Namespace) -> int:
     from services import cluster, pool, ray_runtime
 
+    console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
     status = pool.connect(args.name).status.remote().result(timeout_s=60)
     if args.json:
@@ -135,14 +161,48 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pool_scale(args: argparse.Namespace) -> int:
+    """Scale a running pool; a refused request or a bad value is a user error (2), engines that did not boot
+    a failure (1)."""
+    from services import cluster, pool, ray_runtime
+    from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, ScaleError, ScaleRequestError
+    from services.pool.startup import BOOT_TIMEOUT_S
+    from services.refit.result import remote_cause
+
+    ray_runtime.connect(_require_cluster(cluster))
+    handle = pool.connect(args.name)
+    drain_s = MAX_DRAIN_TIMEOUT_S if args.drain_timeout_s is None else args.drain_timeout_s
+    try:
+        result = handle.scale.remote(args.engines, args.drain_timeout_s).result(
+            timeout_s=BOOT_TIMEOUT_S + drain_s + 120)
+    except (ScaleRequestError, ScaleError) as err:
+        cause = remote_cause(err)
+        if isinstance(cause, ScaleError) and cause.outcome == "failed":
+            print(f"inflight: {cause}", file=sys.stderr)
+            return EXIT_FAILED
+        raise UserError(str(cause)) from None
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        changed = (f"added {', '.join(result.added)}" if result.added else
+                   f"removed {', '.join(result.removed)} ({result.handed_back_prompts} prompts handed back)"
+                   if result.removed else "nothing to change")
+        states = ", ".join(f"{e} {s}" for e, s in sorted(result.states.items()))
+        print(f"pool {args.name!r}: {result.engines_before} -> {result.engines} engines in {result.seconds:.1f} s, "
+              f"{changed}; engines: {states}")
+    return 0
+
+
 def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
     from services import cluster, pool, ray_runtime
 
+    console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
     pool.shutdown(args.name)
     print(f"pool {args.name!r} shut down")
     if args.stop_cluster:
         ray_runtime.shutdown()
+        console.keep_ray_logs()  # the head's session logs, before its temp dir goes
         cluster.stop_cluster()
         print("local Ray cluster stopped")
     return 0
@@ -153,8 +213,42 @@ def _cmd_learner_attach(args: argparse.Namespace) -> int:
     from services.app import run_learner
 
     recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
+    run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    console.setup(run_dir, verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
-    run_learner(recipe, args.pool, Path(args.run_dir or recipe.logger.log_dir), resume=True)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # `learner stop` (Ray Jobs) sends SIGTERM: detach cleanly
+    run_learner(recipe, args.pool, run_dir, resume=True)
+    return 0
+
+
+def _cmd_learner_submit(args: argparse.Namespace) -> int:
+    from services.learner_jobs import JobRecord, LearnerJobs
+
+    recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])  # a bad recipe fails here, not in the job
+    record = JobRecord.for_recipe(args.pool, recipe, args.recipe, list(args.overrides), args.run_dir)
+    jobs = LearnerJobs.connect()
+    jobs.require_pool(args.pool)
+    status = jobs.submit(record, withheld_env=(recipe.rollout_pool.admin_token_env,))
+    print(f"{status.line()}\nfollow it: inflight learner logs --pool {args.pool} --follow; "
+          f"stop it: inflight learner stop --pool {args.pool}")
+    return 0
+
+
+def _cmd_learner_job(args: argparse.Namespace) -> int:
+    """``learner status|logs|stop``: the pool's newest learner job."""
+    from services.learner_jobs import LearnerJobs
+
+    jobs = LearnerJobs.connect()
+    if args.learner_cmd == "status":
+        status = jobs.status(args.pool)
+        print(json.dumps(status.as_dict(), indent=2) if args.json else status.line())
+    elif args.learner_cmd == "stop":
+        print(jobs.stop(args.pool, timeout_s=args.timeout_s).line())
+    else:
+        try:
+            jobs.logs(args.pool, follow=args.follow)
+        except KeyboardInterrupt:  # Ctrl-C stops following, not the job
+            return 130
     return 0
 
 
@@ -181,6 +275,8 @@ class UserError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     from services.tiny_model import ARCHS, SIZES
+    from services.tiny_vlm import ARCH as VLM_ARCH
+    from services.tiny_vlm import VLM_SIZES
 
     p = argparse.ArgumentParser(prog="inflight", description="Asynchronous GRPO: vLLM rollout pool + Megatron learner.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -206,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", default="inflight-pool")
     s.add_argument("--json", action="store_true", help="print the status dict as JSON (for scripts)")
     s.set_defaults(func=_cmd_pool_status)
+    sc = pool.add_parser("scale", help="add or remove engines of a running pool (a learner may be training)")
+    sc.add_argument("--name", default="inflight-pool")
+    sc.add_argument("--engines", type=int, required=True, help="engines the pool should have")
+    sc.add_argument("--drain-timeout-s", type=float, default=None,
+                    help="longest a removed engine's batches may take to finish before they are handed back to "
+                         "the other engines (default: policy.generation.request_timeout_s)")
+    sc.add_argument("--json", action="store_true", help="print the result as JSON")
+    sc.set_defaults(func=_cmd_pool_scale)
     x = pool.add_parser("shutdown", help="stop a pool's engines and delete it")
     x.add_argument("--name", default="inflight-pool")
     x.add_argument("--stop-cluster", action="store_true", help="also stop the local Ray cluster deploy started")
@@ -215,6 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
     a = recipe_command(learner, "attach", "attach a learner to a pool and train (resumes from run-dir)",
                        _cmd_learner_attach)
     a.add_argument("--pool", required=True, help="name of the pool to attach to")
+    for sp in (r, d, a, s, x):
+        sp.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the Ray, Serve and vLLM logs (always written to RUN_DIR/logs; for pool "
+                             "status|shutdown to INFLIGHT_HOME/logs)")
+    j = recipe_command(learner, "submit", "run `learner attach` as a Ray job: it outlives this terminal; a "
+                       "re-submit with the same run-dir resumes", _cmd_learner_submit)
+    j.add_argument("--pool", required=True, help="name of the pool to attach to")
+
+    def job_command(name: str, help: str):
+        c = learner.add_parser(name, help=help)
+        c.add_argument("--pool", default="inflight-pool", help="the pool whose learner job (default inflight-pool)")
+        c.set_defaults(func=_cmd_learner_job)
+        return c
+    job_command("status", "the pool's learner job: id, state, step, run dir").add_argument(
+        "--json", action="store_true", help="print the status as JSON (for scripts)")
+    job_command("logs", "print the pool's learner job's log").add_argument(
+        "--follow", action="store_true", help="keep printing until the job ends (Ctrl-C stops following only)")
+    job_command("stop", "stop the pool's learner job and wait until it has exited").add_argument(
+        "--timeout-s", type=float, default=60.0, help="how long to wait for the job to end (default 60)")
 
     recipe_command(sub, "validate", "load a recipe, apply overrides, print the result", _cmd_validate, run_dir=False)
 
@@ -234,11 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--arch", choices=ARCHS, default="qwen2",
-                   help="model family (llama: Llama 2 layout, llama3: with Llama 3.x RoPE scaling)")
+    t.add_argument("--arch", choices=(*ARCHS, VLM_ARCH), default="qwen2",
+                   help="model family (llama: Llama 2 layout, llama3: with Llama 3.x RoPE scaling; "
+                        f"{VLM_ARCH}: Qwen2.5-VL, a vision tower + language model with an image processor)")
     t.add_argument("--tie-word-embeddings", action="store_true",
                    help="share the embedding with the output layer (as Qwen2.5-0.5B/1.5B)")
-    t.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    t.add_argument("--size", choices=tuple(dict.fromkeys((*SIZES, *VLM_SIZES))), default="tiny",
+                   help=f"model size ({VLM_ARCH}: {', '.join(VLM_SIZES)})")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     t.set_defaults(func=_cmd_make_tiny_model)
     return p
@@ -261,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, UserError) as err:
         print(f"inflight: {'recipe error: ' if isinstance(err, RecipeError) else ''}{err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except LearnerJobError as err:  # a job that failed or did not end in time: 1; a mistake in the call: 2
+        print(f"inflight: {err}", file=sys.stderr)
+        return EXIT_FAILED if isinstance(err, LearnerJobFailed) else EXIT_USER_ERROR
+    except Exception as err:  # an error out of an actor: one line naming it (the traceback: driver.log)
+        if not console.is_actor_error(err):
+            raise
+        print(f"inflight: {console.failure_line(err)}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

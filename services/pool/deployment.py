@@ -2,7 +2,8 @@
 
 One replica is the pool's controller and HTTP ingress: ``GET /healthz``,
 ``/readyz`` (503 until every engine is loaded at a known version), ``/metrics``
-(Prometheus), ``/v1/status``, and ``POST /v1/admin/{pause,resume,drain}`` with
+(Prometheus), ``/v1/status``, ``/v1/history`` and the live status page ``/``
+(:mod:`services.pool.status_page`, read-only like them), and ``POST /v1/admin/{pause,resume,drain,scale}`` with
 ``Authorization: Bearer <token>``. The work is done by the parts it builds:
 the :class:`~services.pool.fleet.Fleet` (engines, their table), the
 :class:`~services.pool.dispatch.Dispatcher` (prompts), the
@@ -16,22 +17,39 @@ import asyncio
 import hmac
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Response
+from fastapi import FastAPI, Header, HTTPException, Request, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
 from services.config import Recipe
 from services.pool.dispatch import Dispatcher
-from services.pool.fleet import Fleet
+from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
+from services.pool.status_page import StepHistory, TokenRates, render_page, security_headers
 from services.pool.watcher import HealthWatcher
 from services.refit.collective import GroupPlan, WeightGroup
+from services.refit.cuda_ipc import IpcFanout, IpcPlan
 from services.refit.object_store import ObjectStoreFanout
 from services.refit.result import RefitResult
 
 app = FastAPI(title="Inflight rollout pool", version="1")
+
+
+class ScaleRequest(BaseModel):
+    """The body of ``POST /v1/admin/scale``."""
+
+    model_config = ConfigDict(extra="forbid")
+    engines: StrictInt
+    """Engines the pool should have: within ``rollout_pool.num_engines``' bounds (1..1024), checked by the pool
+    with the rest of its recipe as at deploy."""
+    drain_timeout_s: float | None = Field(default=None, ge=0.0, le=MAX_DRAIN_TIMEOUT_S)
+    """Longest a removed engine's batches may take to finish before they are handed back to the others;
+    default ``policy.generation.request_timeout_s`` (at most 3600 s)."""
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
@@ -45,10 +63,14 @@ class RolloutPool:
         self.metrics = PoolMetrics()
         self._last_report: dict | None = None
         """The learner's last step report (without its per-group lists), for ``status``."""
+        self.history = StepHistory()
+        """The scalars of the last step reports, for the status page's plots and ``/v1/history``."""
+        self.token_rates = TokenRates()
         self.fleet = Fleet(self.recipe, model_path, self.metrics)
         self.dispatcher = Dispatcher(self.fleet)
         self.fanout = ObjectStoreFanout(self.fleet)
         self.group = WeightGroup(self.fleet)
+        self.ipc = IpcFanout(self.fleet)
         self.watcher = HealthWatcher(self.fleet, self.dispatcher, self.fanout.reinstall)
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
@@ -111,6 +133,15 @@ class RolloutPool:
         """A collective push: every engine of the weight group installs it (:class:`WeightGroup`)."""
         return await self.group.install(reset, timeout_s)
 
+    async def ipc_plan(self, gpu: str) -> IpcPlan:
+        """Which engines could map buffers of the learner's GPU ``gpu`` (:class:`IpcFanout`)."""
+        return await self.ipc.plan(gpu)
+
+    async def install_ipc_push(self, manifest_bytes: bytes, shares: list, gpu: str, reset: bool = False,
+                               timeout_s: float | None = None) -> RefitResult:
+        """A CUDA IPC push: the engine on the learner's GPU maps the shared buckets and installs them."""
+        return await self.ipc.install(manifest_bytes, shares, gpu, reset, timeout_s)
+
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                           engine_id: str | None = None) -> list[list[float]]:
         return await self.fleet.logprobs_of(prompt_ids, response_ids, engine_id)
@@ -124,6 +155,7 @@ class RolloutPool:
     async def report_step(self, report: dict) -> None:
         self.metrics.record_step(report)
         self._last_report = {k: v for k, v in report.items() if k not in ("trajectory_ages", "rejected")}
+        self.history.record(report, self.dispatcher.learner.id if self.dispatcher.learner else None)
 
     async def engine_stats(self) -> dict[str, dict]:
         return await self.fleet.engine_stats()
@@ -133,13 +165,19 @@ class RolloutPool:
         d = self.dispatcher
         return {"name": self.name, "version": self.fleet.version, "ready": self.fleet.is_ready(),
                 "pid": os.getpid(), "learner": d.learner_status(), "paused": d.paused, "draining": d.draining,
-                "engines": self.fleet.table.as_dict(), "uptime_s": time.time() - self.fleet.started_at,
+                "engines": self.fleet.table.as_dict(self.fleet.version),
+                "uptime_s": time.time() - self.fleet.started_at,
                 "requeued_prompts": d.requeued_prompts, "waiting_prompts": d.waiting_prompts(),
                 "undelivered_prompts": len(d.undelivered), "errors": self.fleet.errors[-5:],
                 "last_report": self._last_report}
 
     async def shutdown_engines(self) -> None:
         await self.fleet.shutdown()
+
+    async def scale(self, engines: int, drain_timeout_s: float | None = None) -> ScaleResult:
+        """Add or remove engines while the pool serves (:meth:`Fleet.scale`): a new engine takes work once it
+        holds the pool's version; a removed one finishes its batches or hands them back."""
+        return await self.fleet.scale(engines, self.watcher.admit, self.dispatcher.drain, drain_timeout_s)
 
     def colocation_group(self) -> Any:
         """The colocation placement group (colocated recipes on GPUs; None otherwise): learner rank ``j`` takes
@@ -174,6 +212,16 @@ class RolloutPool:
     async def status_endpoint(self):
         return await self.status()
 
+    @app.get("/v1/history")
+    async def history_endpoint(self):
+        return self.history.as_json()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def status_page(self):
+        await self.token_rates.sample(self.fleet.handles)
+        page = render_page(await self.status(), list(self.history.points), self.token_rates.rates(), time.time())
+        return HTMLResponse(page, headers=security_headers())
+
     def _authorize(self, authorization: str | None) -> None:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._token.encode()):
@@ -196,3 +244,20 @@ class RolloutPool:
         self._authorize(authorization)
         self.dispatcher.draining = True
         return {"draining": True}
+
+    @app.post("/v1/admin/scale")
+    async def admin_scale(self, request: Request, authorization: str | None = Header(default=None)):
+        """Body :class:`ScaleRequest`; answers with the :class:`ScaleResult` once done (422: a bad value, 409:
+        refused, 503: adding engines failed)."""
+        self._authorize(authorization)
+        try:
+            body = ScaleRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+            raise HTTPException(status_code=422, detail=f'the body must be JSON {{"engines": N}}: {why}') from None
+        try:
+            return asdict(await self.scale(body.engines, body.drain_timeout_s))
+        except ScaleRequestError as err:
+            raise HTTPException(status_code=422, detail=str(err)) from None
+        except ScaleError as err:
+            raise HTTPException(status_code=409 if err.outcome == "refused" else 503, detail=str(err)) from None
