@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -155,7 +156,11 @@ class RolloutPool:
     async def report_step(self, report: dict) -> None:
         self.metrics.record_step(report)
         self._last_report = {k: v for k, v in report.items() if k not in ("trajectory_ages", "rejected")}
-        self.history.record(report, self.dispatcher.learner.id if self.dispatcher.learner else None)
+        try:  # the history plots steps; a report without one still counts in the metrics above
+            self.history.record(report, self.dispatcher.learner.id if self.dispatcher.learner else None)
+        except ValueError as exc:
+            logging.getLogger("inflight.pool").warning("pool %s: status page history skipped a report: %s",
+                                                       self.name, exc)
 
     async def engine_stats(self) -> dict[str, dict]:
         return await self.fleet.engine_stats()
