@@ -26,8 +26,11 @@
 #                                 # store and CUDA IPC), refit.py --gpus 1 --colocated, and the async recipe on
 #                                 # one GPU (it must fail fast, naming the GPUs)
 #   bash bench/gpu_session.sh L   # the colocated 1-GPU sync loop, object store then CUDA IPC, back to back
+#   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
+#                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
+#                                 # each; their step times compared (bench/step_breakdown.py --metrics)
 set -u
-PHASE=${1:?phase A to L}
+PHASE=${1:?phase A to M}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -63,7 +66,13 @@ build() {  # build DIR ARCH SIZE: a random bf16 model, initialised on the GPU (m
   [ -d "$1" ] || $PY -c "import sys, torch; from services.tiny_model import make_tiny_model
 with torch.device('cuda'): make_tiny_model(sys.argv[1], arch=sys.argv[2], size=sys.argv[3], dtype='bfloat16')" "$@"
 }
-case $PHASE in K) ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+# Recipes need omegaconf, which the vLLM bundle lacks (phase K's async run failed on it): install the wheels
+# staged beside the bundle's parts (.carry/rN/wheels) when they came along.
+if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
+    && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
+fi
+case $PHASE in K) ;; M) build $dense qwen2 0.6b ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -169,6 +178,18 @@ L)
   step colocated_sync_cuda_ipc 270 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_cuda_ipc" \
     policy.refit_transport=cuda_ipc
   for d in sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
+  ;;
+M)
+  ONE="--steps 5 policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
+  step async_one_gpu 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml $ONE \
+    --run-dir "$OUT/async_one_gpu"
+  step colocated_sync 250 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
+    --run-dir "$OUT/colocated_sync"
+  for d in async_one_gpu colocated_sync; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
+  if [ -f "$OUT/async_one_gpu_metrics.jsonl" ] && [ -f "$OUT/colocated_sync_metrics.jsonl" ]; then
+    $PY bench/step_breakdown.py --steps 5 --out "$OUT/step_breakdown_h200_one_gpu.json" \
+      --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
+  fi
   ;;
 esac
 

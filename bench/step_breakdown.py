@@ -10,6 +10,11 @@ generation is the sync run's generation time and training the async run's
 policy training time (1.0 = generation completely hidden behind training or
 vice versa). Writes bench/results/step_breakdown_<device>.json.
 
+    python bench/step_breakdown.py --metrics sync=RUN_A/metrics.jsonl --metrics async=RUN_B/metrics.jsonl
+
+compares two runs made apart instead (e.g. the colocated sync recipe and the async recipe on one GPU,
+which need pools of their own: ``bash bench/gpu_session.sh M``), with the same table and JSON.
+
 On CPU, quote the ratios, not the absolute times.
 """
 from __future__ import annotations
@@ -33,14 +38,20 @@ def warm_mean(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default=None)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--out", default=None, help="results JSON (default bench/results/step_breakdown_<device>.json)")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+def summarize(path: str | Path) -> dict:
+    """Means over the warm steps of one run's metrics.jsonl."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step_s" in r]  # step rows only
+    out = {k: warm_mean(rows, k) for k in KEYS}
+    for key in ("reward_mean", "trajectory_age_mean", "refit_bytes", "refit_pause_s", "refit_install_s",
+                "gen_kl_error", "parity_max_abs_logprob_diff"):
+        out[key] = warm_mean(rows, key)
+    out["steps"] = len(rows)
+    return out
 
+
+def run_both(args) -> dict[str, dict]:
+    """Deploy one pool and run the sync and the async learner against it, one after the other."""
     from services import pool as pool_api
     from services import ray_runtime
     from services.app import deploy_pool, run_learner
@@ -57,16 +68,31 @@ def main() -> None:
     try:
         deploy_pool(recipes["async"], work)
         for mode, recipe in recipes.items():
-            path = run_learner(recipe, recipe.rollout_pool.name, work / mode, resume=False)
-            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
-            results[mode] = {k: warm_mean(rows, k) for k in KEYS}
-            results[mode]["reward_mean"] = warm_mean(rows, "reward_mean")
-            for key in ("trajectory_age_mean", "refit_bytes", "refit_pause_s", "refit_install_s", "gen_kl_error",
-                        "parity_max_abs_logprob_diff"):
-                results[mode][key] = warm_mean(rows, key)
+            results[mode] = summarize(run_learner(recipe, recipe.rollout_pool.name, work / mode, resume=False))
     finally:
         pool_api.shutdown(recipes["async"].rollout_pool.name)
         ray_runtime.shutdown()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/step_breakdown_<device>.json)")
+    ap.add_argument("--metrics", action="append", default=[], metavar="MODE=PATH",
+                    help="compare finished runs instead (MODE sync or async, PATH its metrics.jsonl); give both")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    sources: dict[str, str] = {}
+    if args.metrics:
+        sources = dict(m.split("=", 1) for m in args.metrics)
+        if set(sources) != {"sync", "async"}:
+            ap.error(f"--metrics needs sync=PATH and async=PATH, got {sorted(sources)}")
+        results = {mode: summarize(sources[mode]) for mode in ("sync", "async")}
+    else:
+        results = run_both(args)
 
     sync, asyn = results["sync"], results["async"]
     generation = sync["generation_exposed_s"]
@@ -91,9 +117,9 @@ def main() -> None:
         pass
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"step_breakdown_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "host": platform.node(),
-                               "device": device, "results": results, "async_speedup": speedup,
-                               "overlap_efficiency": overlap}, indent=2))
+    out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "metrics": sources,
+                               "host": platform.node(), "device": device, "results": results,
+                               "async_speedup": speedup, "overlap_efficiency": overlap}, indent=2))
     print(f"wrote {out}")
 
 

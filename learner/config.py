@@ -67,6 +67,11 @@ class MegatronConfig(ConfigModel):
     freeze_moe_router: bool = False
     """Keep the MoE router's weights fixed (NeMo-RL's GRPO default: a trained router lets the engines' expert
     choice drift from the learner's); no effect on a dense model."""
+    gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Cap of each rank's CUDA caching allocator, as a fraction of its GPU's memory
+    (``torch.cuda.set_per_process_memory_fraction``, set as the rank picks its device): an allocation past it
+    raises out-of-memory in the learner instead of taking the memory of an engine on the same GPU. None: no cap.
+    Needed by ``rollout_pool.share_gpu``; no effect on CPU."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
 

@@ -10,7 +10,8 @@ checkpoint gets a :class:`learner.vision.VisionLanguageGPT`: the same language m
 rotary positions (``position_embedding_type="mrope"``) and the checkpoint's vision tower inside.
 
 :func:`init_distributed` sets up ``torch.distributed`` (gloo on CPU, NCCL on
-GPU) and Megatron's parallel state once per process. The field-by-field mapping:
+GPU) and Megatron's parallel state once per process, and caps the rank's CUDA memory when the recipe
+gives it a budget (:func:`limit_gpu_memory`). The field-by-field mapping:
 docs/learner.md, "Model building".
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ def init_distributed(megatron: MegatronConfig, seed: int) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if has_gpu() else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S))
+    limit_gpu_memory(megatron)  # before the first allocation of the model
     tp, ep = megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
@@ -76,6 +78,17 @@ def init_distributed(megatron: MegatronConfig, seed: int) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def limit_gpu_memory(megatron: MegatronConfig) -> None:
+    """Cap this rank's CUDA caching allocator at ``megatron.gpu_memory_fraction`` of its current device (the
+    learner's memory budget beside an engine on the same GPU, ``rollout_pool.share_gpu``); no-op without a
+    cap or a GPU."""
+    from learner.cpu_compat import has_gpu
+
+    if megatron.gpu_memory_fraction is None or not has_gpu():
+        return
+    torch.cuda.set_per_process_memory_fraction(megatron.gpu_memory_fraction, torch.cuda.current_device())
 
 
 def shutdown_distributed() -> None:

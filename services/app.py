@@ -77,6 +77,11 @@ def run_embedded(recipe: Recipe, run_dir: Path) -> Path:
     """``inflight run``: local Ray + pool + learner on this machine, torn down at the end."""
     ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:
+        # The pool first, the learner once it is ready: with rollout_pool.share_gpu the two share one GPU, and
+        # vLLM sizes its KV cache from the device's free memory as it profiles at start-up (and refuses to start
+        # when less than gpu_memory_utilization of the GPU is free), so the learner's rank must not touch the
+        # GPU before then; afterwards the engine's memory is fixed and the learner stays within its
+        # policy.megatron_cfg.gpu_memory_fraction.
         status = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
         try:
             print(f"rollout pool {status['name']!r} ready at version {status['version']}; "

@@ -189,6 +189,13 @@ class RolloutPoolConfig(ConfigModel):
     < ``policy.generation.request_timeout_s``."""
     learner_gpus: int | None = Field(default=None, ge=0)
     """GPUs of the learner job when not colocated; default: the rest of the cluster."""
+    share_gpu: bool = False
+    """Async on one GPU: the pool's one engine and the learner's one rank share the cluster's one GPU, not
+    colocated (the engine keeps its memory while the learner trains), each asking Ray for half of it. The memory
+    is split explicitly: the engine takes ``policy.generation.vllm_cfg.gpu_memory_utilization`` of the GPU, the
+    learner at most ``policy.megatron_cfg.gpu_memory_fraction``, together <= 0.95. Needs
+    ``cluster.num_nodes = gpus_per_node = 1``, one engine, TP = PP = 1 and ``policy.refit_transport`` other
+    than ``collective`` (docs/gpu.md, "Async on one GPU")."""
 
 
 class Recipe(ConfigModel):
@@ -231,6 +238,8 @@ class Recipe(ConfigModel):
         total = c.num_nodes * c.gpus_per_node
         if self.policy.generation.colocated.enabled:
             return total
+        if self.rollout_pool.share_gpu and total:
+            return 1  # one rank on the GPU the pool's engine holds the other half of
         if self.rollout_pool.learner_gpus is not None:
             return self.rollout_pool.learner_gpus
         return total - self.rollout_pool.num_engines * self.gpus_per_engine

@@ -52,6 +52,11 @@ RULES = """
   `rollout_pool.num_engines x k = num_nodes x gpus_per_node` (= the learner's ranks; `learner_gpus` unset);
   otherwise learner GPUs + `rollout_pool.num_engines x k = num_nodes x gpus_per_node`; learner GPUs
   divisible by TP x PP; `expert_model_parallel_size` divides DP x TP; vLLM `expert_parallel_size <= k`
+- `rollout_pool.share_gpu` (engine and learner side by side on one GPU) needs `cluster.num_nodes =
+  cluster.gpus_per_node = 1`, `policy.generation.colocated.enabled: false`, `rollout_pool.num_engines: 1`,
+  TP = PP = 1 in vLLM and Megatron, `rollout_pool.learner_gpus` unset or 1,
+  `policy.megatron_cfg.gpu_memory_fraction` set with `vllm_cfg.gpu_memory_utilization + gpu_memory_fraction
+  <= 0.95`, and `policy.refit_transport` other than `collective`
 - `policy.megatron_cfg.optimizer.min_lr <= lr`; `policy.generation.temperature > 0`
 - `policy.megatron_cfg.optimizer.lr_decay_steps` (default `grpo.max_num_steps`) `> lr_warmup_steps` for a
   linear or cosine `lr_decay_style`

@@ -6,7 +6,7 @@ every message starts with the key path to change. CPU recipes
 (:mod:`services.pool.placement`) and the learner job both need: GPU shares per
 learner rank, the colocation group's size, its GPU *slots* (bundles node by
 node) and a learner rank's Ray options. How colocation works:
-docs/architecture.md, "Placement".
+docs/architecture.md, "Placement"; async on one GPU (``rollout_pool.share_gpu``): docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from services.config import Recipe
 
 COLOCATED_SHARE = 0.5
-"""The share of a GPU a colocated engine worker and a colocated learner rank each ask for."""
+"""The share of a GPU a colocated engine worker and a colocated learner rank each ask for; also the halves the
+engine and the learner rank of ``rollout_pool.share_gpu`` ask for."""
+SHARED_GPU_MEMORY_MAX = 0.95
+"""Most of the GPU ``rollout_pool.share_gpu``'s engine and learner may take together (vLLM's
+``gpu_memory_utilization`` + the learner's ``gpu_memory_fraction``): the rest holds the two CUDA contexts and
+what neither allocator counts (NCCL, cuBLAS workspaces)."""
 
 
 class PlacementError(ValueError):
@@ -29,10 +34,20 @@ def colocated_on_gpus(recipe: Recipe) -> bool:
     return bool(recipe.cluster.gpus_per_node) and recipe.policy.generation.colocated.enabled
 
 
+def shares_one_gpu(recipe: Recipe) -> bool:
+    """Whether the pool's engine and the learner's rank share the cluster's one GPU (``rollout_pool.share_gpu``)."""
+    return bool(recipe.cluster.gpus_per_node) and recipe.rollout_pool.share_gpu
+
+
 def learner_gpus_per_rank(recipe: Recipe) -> float:
     if not recipe.cluster.gpus_per_node:
         return 0
-    return COLOCATED_SHARE if recipe.policy.generation.colocated.enabled else 1
+    return COLOCATED_SHARE if recipe.policy.generation.colocated.enabled or shares_one_gpu(recipe) else 1
+
+
+def pool_gpus_per_engine(recipe: Recipe) -> float:
+    """GPUs one engine of a separate pool holds: ``k`` whole ones, half of the one GPU with ``share_gpu``."""
+    return COLOCATED_SHARE if shares_one_gpu(recipe) else float(recipe.gpus_per_engine)
 
 
 LEARNER_PLACEMENT_TIMEOUT_S = 30.0
@@ -48,9 +63,10 @@ class GpuCensus:
     available: float
     """GPUs no actor or placement group holds now (``ray.available_resources``)."""
     pool_engines: int = 0
-    """Engines of the recipe's rollout pool that hold (or are about to hold) whole GPUs of their own."""
+    """Engines of the recipe's rollout pool that hold (or are about to hold) GPUs of their own."""
     pool_gpus: float = 0
-    """GPUs those engines hold (``num_engines x gpus_per_engine``; 0 on CPU and colocated)."""
+    """GPUs those engines hold (``num_engines x gpus_per_engine``, 0.5 with ``rollout_pool.share_gpu``; 0 on CPU
+    and colocated)."""
 
     @property
     def free(self) -> float:
@@ -78,12 +94,13 @@ class GpuCensus:
 
 
 def pool_engine_gpus(recipe: Recipe) -> tuple[int, float]:
-    """Engines of the recipe's pool with whole GPUs of their own, and those GPUs (none on CPU or colocated:
-    a colocated pool's GPUs are its colocation group's, the learner's ranks included)."""
+    """Engines of the recipe's pool with GPUs of their own, and those GPUs (half of one with
+    ``rollout_pool.share_gpu``; none on CPU or colocated: a colocated pool's GPUs are its colocation group's,
+    the learner's ranks included)."""
     if not recipe.cluster.gpus_per_node or recipe.policy.generation.colocated.enabled:
         return 0, 0
     n = recipe.rollout_pool.num_engines
-    return n, float(n * recipe.gpus_per_engine)
+    return n, n * pool_gpus_per_engine(recipe)
 
 
 def gpu_census(recipe: Recipe, cluster: Callable[[], Mapping[str, float]] | None = None,
@@ -108,7 +125,8 @@ def fewer_gpus_hint(recipe: Recipe) -> str:
     """What to change in a recipe that asks for more GPUs than the cluster has free."""
     return (f"{_layout(recipe)}. To fit: share the GPUs between engines and learner "
             f"(policy.generation.colocated.enabled=true, sync only: grpo.async_grpo.enabled=false, "
-            f"rollout_pool.learner_gpus unset; on one GPU recipes/gpu-1xh200-sync.yaml), or give the pool fewer "
+            f"rollout_pool.learner_gpus unset; on one GPU recipes/gpu-1xh200-sync.yaml; async on one GPU: "
+            f"rollout_pool.share_gpu=true, recipes/gpu-1xh200-async.yaml), or give the pool fewer "
             f"engines (rollout_pool.num_engines, now {recipe.rollout_pool.num_engines}) or the learner fewer "
             f"GPUs (rollout_pool.learner_gpus) and set cluster.gpus_per_node to the GPUs the nodes have, or free "
             f"or add GPUs")
@@ -129,8 +147,9 @@ def check_learner_fits(recipe: Recipe, census: GpuCensus) -> None:
         return
     if need > census.free:
         ranks = f"{world} rank{'s' if world > 1 else ''}"
-        raise PlacementError(f"the learner asks for {need:g} GPUs ({ranks} x {per:g} GPU, "
-                             f"rollout_pool.learner_gpus) and {census.describe()}; {fewer_gpus_hint(recipe)}")
+        key = "rollout_pool.share_gpu" if shares_one_gpu(recipe) else "rollout_pool.learner_gpus"
+        raise PlacementError(f"the learner asks for {need:g} GPUs ({ranks} x {per:g} GPU, {key}) and "
+                             f"{census.describe()}; {fewer_gpus_hint(recipe)}")
 
 
 def check_pool_fits(recipe: Recipe, census: GpuCensus, missing_engines: int) -> None:
@@ -141,12 +160,13 @@ def check_pool_fits(recipe: Recipe, census: GpuCensus, missing_engines: int) -> 
     engines, _ = pool_engine_gpus(recipe)
     if not engines or not missing_engines:
         return
-    k = recipe.gpus_per_engine
-    need = float(missing_engines * k)
+    k = pool_gpus_per_engine(recipe)
+    need = missing_engines * k
     free = census.available  # the engines about to be made hold nothing yet
-    learner = float(recipe.learner_gpus) if missing_engines == engines else 0.0
-    what = f"{missing_engines} engine{'s' if missing_engines != 1 else ''} x {k} GPU (num_engines x " \
-           f"tensor_parallel_size x pipeline_parallel_size)"
+    learner = recipe.learner_gpus * learner_gpus_per_rank(recipe) if missing_engines == engines else 0.0
+    how = "rollout_pool.share_gpu" if shares_one_gpu(recipe) else "num_engines x tensor_parallel_size x " \
+                                                                   "pipeline_parallel_size"
+    what = f"{missing_engines} engine{'s' if missing_engines != 1 else ''} x {k:g} GPU ({how})"
     held = census.total - free
     holders = f"{held:g} held by other actors or placement groups" if held > 0 else "none is held"
     if need > free:
@@ -214,6 +234,8 @@ def check_gpu_layout(recipe: Recipe) -> None:
     ``cluster.num_nodes x cluster.gpus_per_node`` GPUs."""
     c, pool_cfg = recipe.cluster, recipe.rollout_pool
     total = c.num_nodes * c.gpus_per_node
+    if pool_cfg.share_gpu:
+        _check_shared_gpu(recipe)
     if total == 0:
         return
     v, m = recipe.policy.generation.vllm_cfg, recipe.policy.megatron_cfg
@@ -228,6 +250,8 @@ def check_gpu_layout(recipe: Recipe) -> None:
     pool = n * k
     if recipe.policy.generation.colocated.enabled:
         learner = _check_colocated(recipe, k, pool, total)
+    elif pool_cfg.share_gpu:
+        learner = 1  # the engine's GPU, its other half
     else:
         learner = pool_cfg.learner_gpus if pool_cfg.learner_gpus is not None else total - pool
         if learner + pool != total:
@@ -263,3 +287,43 @@ def _check_colocated(recipe: Recipe, k: int, pool: int, total: int) -> int:
         raise ValueError(f"rollout_pool.learner_gpus ({pool_cfg.learner_gpus}): colocated, the learner has one rank "
                          f"per cluster GPU ({total}); leave it unset")
     return total
+
+
+def _check_shared_gpu(recipe: Recipe) -> None:
+    """``rollout_pool.share_gpu``: one engine and one learner rank, each on half of the cluster's one GPU, with
+    the GPU's memory split between them and a weight transport that works between two processes on one GPU."""
+    c, pool_cfg, p = recipe.cluster, recipe.rollout_pool, recipe.policy
+    v, m = p.generation.vllm_cfg, p.megatron_cfg
+    why = "rollout_pool.share_gpu puts the pool's engine and the learner's rank on the cluster's one GPU"
+    if p.generation.colocated.enabled:
+        raise ValueError(f"policy.generation.colocated.enabled: {why} without colocation (the engine keeps its "
+                         f"memory while the learner trains); set it false, or leave share_gpu false to colocate")
+    if (c.num_nodes, c.gpus_per_node) != (1, 1):
+        raise ValueError(f"cluster.gpus_per_node ({c.gpus_per_node}) x cluster.num_nodes ({c.num_nodes}): {why}; "
+                         f"set both to 1 (with more GPUs give the learner its own: rollout_pool.learner_gpus)")
+    if pool_cfg.num_engines != 1:
+        raise ValueError(f"rollout_pool.num_engines ({pool_cfg.num_engines}): {why}, which holds one engine; "
+                         f"set it to 1")
+    if recipe.gpus_per_engine != 1:
+        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size x pipeline_parallel_size "
+                         f"({v.tensor_parallel_size} x {v.pipeline_parallel_size}): {why}; set both to 1")
+    if m.tensor_model_parallel_size * m.pipeline_model_parallel_size != 1:
+        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size x pipeline_model_parallel_size "
+                         f"({m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size}): {why}, one rank; "
+                         f"set both to 1")
+    if pool_cfg.learner_gpus not in (None, 1):
+        raise ValueError(f"rollout_pool.learner_gpus ({pool_cfg.learner_gpus}): {why}, one rank; leave it unset "
+                         f"or set it to 1")
+    if m.gpu_memory_fraction is None:
+        raise ValueError(f"policy.megatron_cfg.gpu_memory_fraction: {why}; give the learner its memory budget "
+                         f"beside policy.generation.vllm_cfg.gpu_memory_utilization ({v.gpu_memory_utilization:g}), "
+                         f"the two together <= {SHARED_GPU_MEMORY_MAX:g}")
+    if v.gpu_memory_utilization + m.gpu_memory_fraction > SHARED_GPU_MEMORY_MAX + 1e-9:
+        raise ValueError(f"policy.generation.vllm_cfg.gpu_memory_utilization ({v.gpu_memory_utilization:g}) + "
+                         f"policy.megatron_cfg.gpu_memory_fraction ({m.gpu_memory_fraction:g}) = "
+                         f"{v.gpu_memory_utilization + m.gpu_memory_fraction:g}: {why}, so they must be <= "
+                         f"{SHARED_GPU_MEMORY_MAX:g} together (the rest holds both CUDA contexts)")
+    if p.refit_transport == "collective":
+        raise ValueError(f"policy.refit_transport ('collective'): {why}, and NCCL refuses two ranks of one group "
+                         f"on one GPU; use 'cuda_ipc' (the engine maps the learner's buckets on their GPU) or "
+                         f"'object_store'")

@@ -23,6 +23,7 @@ NEMO_RL_NAMES: dict[str, str | None] = {
     "policy.generation.vllm_cfg.seed": None,
     "policy.generation.vllm_cfg.direct_weight_load": None,
     "policy.megatron_cfg.precision": "policy.precision",
+    "policy.megatron_cfg.gpu_memory_fraction": None,
     "policy.megatron_cfg.optimizer.lr_warmup_steps": "policy.megatron_cfg.scheduler.lr_warmup_iters",
     "policy.megatron_cfg.optimizer.lr_decay_style": "policy.megatron_cfg.scheduler.lr_decay_style",
     "policy.megatron_cfg.optimizer.lr_decay_steps": "policy.megatron_cfg.scheduler.lr_decay_iters",

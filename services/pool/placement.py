@@ -1,8 +1,9 @@
 """Where the pool's engines go: their GPU requests and, colocated, the colocation group the pool makes.
 
 Separate pools: an engine takes ``k = tensor x pipeline`` whole GPUs of one
-node. Colocated on GPUs: the pool reserves one whole-GPU bundle per cluster
-GPU in a named, detached placement group (:func:`colocation_group`) that the
+node (with ``rollout_pool.share_gpu``, half of the cluster's one GPU).
+Colocated on GPUs: the pool reserves one whole-GPU bundle per cluster GPU
+in a named, detached placement group (:func:`colocation_group`) that the
 learner job attaching to it places its ranks in too; engine ``i`` owns slots
 ``k*i .. k*i+k-1`` (:func:`engine_options`). The slot math and the learner's
 side are in :mod:`services.gpu_layout`; the whole picture is in
@@ -20,6 +21,7 @@ from services.gpu_layout import (
     colocation_bundles,
     gpu_slots,
     in_bundle,
+    pool_gpus_per_engine,
     slots_by_node,
 )
 
@@ -37,13 +39,14 @@ PER_WORKER_GPUS_ENV = "VLLM_RAY_PER_WORKER_GPUS"
 
 
 def engine_gpus(recipe: Recipe) -> float:
-    """GPUs the engine *actor* asks for: 0 on CPU, ``k`` whole ones apart from the learner, half of its one
-    slot colocated with ``k = 1``, none colocated with ``k > 1`` (its vLLM workers hold the GPU shares)."""
+    """GPUs the engine *actor* asks for: 0 on CPU, ``k`` whole ones apart from the learner (half of the one GPU
+    with ``rollout_pool.share_gpu``, the learner's rank asks for the other half), half of its one slot
+    colocated with ``k = 1``, none colocated with ``k > 1`` (its vLLM workers hold the GPU shares)."""
     if not recipe.cluster.gpus_per_node:
         return 0
     if recipe.policy.generation.colocated.enabled:
         return COLOCATED_SHARE if recipe.gpus_per_engine == 1 else 0
-    return recipe.gpus_per_engine
+    return pool_gpus_per_engine(recipe)
 
 
 def colocation_group_name(pool_name: str) -> str:

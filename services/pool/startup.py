@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from services.gpu_layout import check_pool_fits, gpu_census
+from services.gpu_layout import check_pool_fits, gpu_census, pool_gpus_per_engine
 from services.pool.engine_actor import EngineActor, EngineSpec
 from services.pool.placement import colocation_group_name, engine_options
 
@@ -80,8 +80,8 @@ def _asks(recipe: Recipe | None) -> str:
     """What an engine asks for and the cluster's GPUs, for a start-up timeout's message."""
     if recipe is None or not recipe.cluster.gpus_per_node:
         return ""
-    return (f" (it asks for {recipe.gpus_per_engine} GPU{'s' if recipe.gpus_per_engine > 1 else ''}; "
-            f"{gpu_census(recipe).describe()})")
+    k = pool_gpus_per_engine(recipe)
+    return f" (it asks for {k:g} GPU{'s' if k > 1 else ''}; {gpu_census(recipe).describe()})"
 
 
 async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | None = None) -> dict:

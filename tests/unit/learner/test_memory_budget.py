@@ -1,0 +1,57 @@
+"""``policy.megatron_cfg.gpu_memory_fraction``: each learner rank caps its CUDA caching allocator as it picks its
+device (the learner's memory budget beside an engine on the same GPU, ``rollout_pool.share_gpu``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from learner import cpu_compat, model
+from learner.config import MegatronConfig
+
+
+def test_the_budget_caps_the_allocator_of_the_current_device(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(cpu_compat, "has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    model.limit_gpu_memory(MegatronConfig(gpu_memory_fraction=0.45))
+    assert calls == [(0.45, 3)]
+    model.limit_gpu_memory(MegatronConfig())  # no budget: no cap
+    assert calls == [(0.45, 3)]
+
+
+def test_no_cap_without_a_gpu(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(cpu_compat, "has_gpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    model.limit_gpu_memory(MegatronConfig(gpu_memory_fraction=0.45))
+    assert calls == []
+
+
+SCRIPT = r"""
+import json
+from learner import model
+from learner.config import MegatronConfig
+
+seen = []
+model.limit_gpu_memory = lambda megatron: seen.append(megatron.gpu_memory_fraction)
+model.init_distributed(MegatronConfig(gpu_memory_fraction=0.3), seed=1)
+print("RESULT " + json.dumps(seen))
+model.shutdown_distributed()
+"""
+
+
+def test_init_distributed_applies_the_budget():
+    """The rank's set-up (``Learner`` -> ``init_distributed``) is where the cap is set, before the model is built
+    (own process: it makes a gloo group and Megatron's parallel state)."""
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root), "RANK": "0", "WORLD_SIZE": "1"})
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT "):]) == [0.3]
