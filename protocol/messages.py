@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import numpy as np
 
 from protocol import fields as F
+from protocol.control import ControlMessage
 from protocol.errors import ProtocolError
+from protocol.images import PromptImage, image_ids_from_wire, images_from_wire
 from protocol.loss_mask import read_turn_fields
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -174,9 +176,12 @@ class TrajectoryGroup:
     scheduled_step: int = 0
     engine_id: str = ""
     created_at: float = 0.0
+    image_ids: tuple[str, ...] = ()
+    """The sha256 names of the prompt's images, in prompt order (their pixels stay with the prompt)."""
 
     def __post_init__(self):
         self.prompt_ids = _i32(self.prompt_ids)
+        self.image_ids = tuple(self.image_ids)
 
     @property
     def oldest_version(self) -> int:
@@ -195,7 +200,7 @@ class TrajectoryGroup:
                 "trajectories": [t.to_wire() for t in self.trajectories],
                 "group_size": self.group_size, "vocab_size": self.vocab_size,
                 "scheduled_step": self.scheduled_step, "engine_id": self.engine_id,
-                "created_at": self.created_at}
+                "created_at": self.created_at, "image_ids": list(self.image_ids)}
 
     @classmethod
     def from_wire(cls, d: dict, path: str = "", schema: int = 2) -> TrajectoryGroup:
@@ -215,26 +220,30 @@ class TrajectoryGroup:
         step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
         engine_id = F.as_str(F.req(d, "engine_id", path), F._join(path, "engine_id"))
         created = F.as_float(F.req(d, "created_at", path), F._join(path, "created_at"))
-        return cls(group_id, prompt_id, p_ids, trajs, gsize, vocab, step, engine_id, created)
+        return cls(group_id, prompt_id, p_ids, trajs, gsize, vocab, step, engine_id, created,
+                   image_ids_from_wire(d, path))
 
 
 @dataclass
 class PromptRequest:
     """A prompt to sample a group for. ``task`` carries what the reward
-    function needs (e.g. the reference answer); values are strings or numbers."""
+    function needs (e.g. the reference answer); values are strings or numbers.
+    ``images``: a vision-language prompt's pictures, whose image tokens ``prompt_ids`` already holds."""
 
     KIND: ClassVar[str] = "prompt"
     prompt_id: str
     prompt_ids: np.ndarray
     task: dict = field(default_factory=dict)
     scheduled_step: int = 0
+    images: list[PromptImage] = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt_ids = _i32(self.prompt_ids)
 
     def to_wire(self) -> dict:
         return {"prompt_id": self.prompt_id, "prompt_ids": self.prompt_ids,
-                "task": dict(self.task), "scheduled_step": self.scheduled_step}
+                "task": dict(self.task), "scheduled_step": self.scheduled_step,
+                **({"images": [i.to_wire() for i in self.images]} if self.images else {})}
 
     @classmethod
     def from_wire(cls, d: dict, path: str = "") -> PromptRequest:
@@ -250,7 +259,7 @@ class PromptRequest:
             elif isinstance(v, float):
                 F.as_float(v, f"{F._join(path, 'task')}.{k}")  # NaN/inf: no reward fn wants them
         step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
-        return cls(pid, ids, task, step)
+        return cls(pid, ids, task, step, images_from_wire(d, path))
 
 
 @dataclass
@@ -359,38 +368,6 @@ class WeightBucket:
         data = F.as_array(F.req(d, "data", path), F._join(path, "data"), "uint8")
         checksum = F.as_str(F.req(d, "checksum", path), F._join(path, "checksum"), 64)
         return cls(version, index, data, checksum)
-
-
-CONTROL_ACTIONS = ("error",)
-"""The actions anything sends: ``error`` (an engine reports a prompt it could not turn into a group)."""
-
-
-@dataclass
-class ControlMessage:
-    """A small out-of-band note on the trajectory channel, e.g. ``error``: prompt ``payload["prompt_id"]``
-    failed for ``payload["reason"]``."""
-
-    KIND: ClassVar[str] = "control"
-    action: Literal["error"]
-    payload: dict = field(default_factory=dict)
-    sent_at: float = 0.0
-
-    def to_wire(self) -> dict:
-        return {"action": self.action, "payload": dict(self.payload), "sent_at": self.sent_at}
-
-    @classmethod
-    def from_wire(cls, d: dict, path: str = "") -> ControlMessage:
-        action = F.as_str(F.req(d, "action", path), F._join(path, "action"))
-        if action not in CONTROL_ACTIONS:
-            raise ProtocolError(F._join(path, "action"), f"one of {CONTROL_ACTIONS}", action)
-        payload = F.as_dict(F.req(d, "payload", path), F._join(path, "payload"))
-        for k, v in payload.items():
-            if not isinstance(v, (str, int, float, bool, type(None))):
-                raise ProtocolError(f"{F._join(path, 'payload')}.{k}", "a scalar", type(v).__name__)
-            if isinstance(v, float):
-                F.as_float(v, f"{F._join(path, 'payload')}.{k}")
-        sent_at = F.as_float(F.req(d, "sent_at", path), F._join(path, "sent_at"))
-        return cls(action, payload, sent_at)
 
 
 Message = TrajectoryGroup | PromptRequest | WeightManifest | WeightBucket | ControlMessage

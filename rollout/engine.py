@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
+from protocol.images import PromptImage
 from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
 from rollout.environment import BoundedEnvironment
@@ -30,6 +31,7 @@ from rollout.liveness import EngineDead, EngineProcesses, dead_reason
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards import RewardFn
 from rollout.sampling import GroupSampler
+from rollout.vllm_images import image_token_id
 from rollout.weight_receiver import ExpectedParams
 
 __all__ = ["EngineError", "RolloutEngine"]
@@ -124,6 +126,7 @@ class RolloutEngine:
         self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self.sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
+        self.sampler.image_token_id = image_token_id(self.model_path)
         await self._bounded(self.labels.set_label(self._llm, self.version), "setting the initial weight version")
 
     async def shutdown(self) -> None:
@@ -239,9 +242,11 @@ class RolloutEngine:
         return list(await asyncio.gather(*(self.generate_group(r, group_size, temperature) for r in requests),
                                          return_exceptions=True))
 
-    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
-        """The engine's log-prob of each response token given its prompt and the tokens before it."""
-        return await self.sampler.logprobs_of(prompt_ids, response_ids)
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                          images: list[list[PromptImage]] | None = None) -> list[np.ndarray]:
+        """The engine's log-prob of each response token given its prompt (and its ``images``) and the tokens
+        before it."""
+        return await self.sampler.logprobs_of(prompt_ids, response_ids, images)
 
     # ------------------------------------------------------------------ installs
     async def install(self, manifest: WeightManifest, buckets: list[WeightBucket], *, reset: bool = False) -> int:

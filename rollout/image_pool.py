@@ -43,12 +43,14 @@ SHARED_MEMORY = "/dev/shm"
 
 def prepare_to_file(ref: ImageRef, rules: ImageRules, limits: ImageLimits, base_dir: str | None,
                     path: str) -> ImageResult:
-    """In a worker: prepare one image and write its pixel values to ``path`` (raw float32); the result returned
-    through the pipe carries none of them (an empty array of the right width)."""
+    """In a worker: prepare one image and write its pixel values (raw float32) and then its resized RGB (uint8) to
+    ``path``; the result returned through the pipe carries neither (empty arrays of the right widths)."""
     out = prepare_image(ref, rules, limits, base_dir)
     if isinstance(out, PreparedImage):
-        out.pixel_values.tofile(path)
-        out = replace(out, pixel_values=out.pixel_values[:0])
+        with open(path, "wb") as f:
+            f.write(out.pixel_values.tobytes())
+            f.write(out.rgb.tobytes())
+        out = replace(out, pixel_values=out.pixel_values[:0], rgb=out.rgb[:0])
     return out
 
 
@@ -172,7 +174,10 @@ class ImagePool:
                 with open(path, "rb") as f:
                     pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 rows, width = int(np.prod(out.image_grid_thw)), out.pixel_values.shape[1]
-                out = replace(out, pixel_values=np.frombuffer(pages, dtype=np.float32).reshape(rows, width))
+                w, h = out.resized
+                floats = np.frombuffer(pages, dtype=np.float32, count=rows * width)
+                rgb = np.frombuffer(pages, dtype=np.uint8, count=h * w * 3, offset=floats.nbytes)
+                out = replace(out, pixel_values=floats.reshape(rows, width), rgb=rgb.reshape(h, w, 3))
             except (OSError, ValueError) as e:
                 out = ImageFailure("worker_died", f"its worker's pixel values could not be read from {path}: {e}",
                                    out.sha256)

@@ -132,6 +132,9 @@ class PreparedImage:
     num_tokens: int
     """Image tokens in the prompt: ``grid_t * grid_h * grid_w / merge_size**2``."""
     num_bytes: int
+    rgb: np.ndarray
+    """uint8 ``[height, width, 3]``: the resized image, from which :func:`process_pixels` makes ``pixel_values``
+    (what the engine is given, so that engine and learner start from the same pixels)."""
 
 
 @dataclass(frozen=True)
@@ -207,15 +210,24 @@ def prepare_image(ref: ImageRef, rules: ImageRules, limits: ImageLimits = ImageL
         return img
     width, height = img.size
     h, w = smart_resize(height, width, rules)
-    resized = img.resize((w, h), resample=rules.resample)
-    chw = np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)
+    rgb = np.asarray(img.resize((w, h), resample=rules.resample), dtype=np.uint8)
+    patches, grid = process_pixels(rgb, rules)
+    return PreparedImage(digest, patches, grid, (width, height), (w, h), int(grid.prod()) // rules.merge_size ** 2,
+                         len(data), rgb)
+
+
+def process_pixels(rgb: np.ndarray, rules: ImageRules) -> tuple[np.ndarray, np.ndarray]:
+    """``pixel_values`` and ``image_grid_thw`` of an image already resized by the rules (uint8 ``[h, w, 3]``, sides
+    multiples of ``rules.factor``): rescale, normalise, patchify, as the processor does after its resize."""
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] % rules.factor or rgb.shape[1] % rules.factor:
+        raise ValueError(f"process_pixels: expected uint8 [h, w, 3] with h and w multiples of {rules.factor}, got "
+                         f"shape {list(rgb.shape)}")
+    chw = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
     x = (chw.astype(np.float64) * rules.rescale_factor).astype(np.float32)  # the processor's order of operations
     mean, std = (np.asarray(v, dtype=np.float32)[:, None, None] for v in (rules.image_mean, rules.image_std))
     x = (x - mean) / std
     patches, grid_h, grid_w = _patchify(x, rules)
-    grid = np.array([1, grid_h, grid_w], dtype=np.int64)
-    return PreparedImage(digest, patches, grid, (width, height), (w, h), grid_h * grid_w // rules.merge_size ** 2,
-                         len(data))
+    return patches, np.array([1, grid_h, grid_w], dtype=np.int64)
 
 
 def _decode(data: bytes, limits: ImageLimits, digest: str):

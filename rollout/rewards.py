@@ -7,7 +7,8 @@ A reward function scores a whole group at once: a list of :class:`RewardInput`
 (exception, timeout, wrong count, non-finite value) into per-sample
 :class:`RewardFailure` s -- never into reward 0. :func:`get_reward_fn` knows
 ``math_verify`` and ``dapo_math_verify`` (:mod:`rollout.math_verify_reward`), ``math_exact``, ``format``
-and ``repeat_letter`` (:mod:`rollout.reward_fns`; docs/rollout.md, "Rewards"),
+and ``repeat_letter`` (:mod:`rollout.reward_fns`; docs/rollout.md, "Rewards"), ``tag_format`` and
+``exact_alnum`` (:mod:`rollout.tag_rewards`),
 or loads ``module:function`` / ``file.py:function``. Several weighted functions
 in worker processes: :mod:`rollout.reward_env`.
 """
@@ -23,6 +24,7 @@ from typing import cast
 from rollout.math_verify_reward import dapo_math_verify, math_verify
 from rollout.reward_fns import extract_answer, format_reward, math_exact, repeat_letter
 from rollout.reward_types import RewardFailure, RewardFn, RewardInput, RewardResult, Scored
+from rollout.tag_rewards import exact_alnum, tag_format
 
 __all__ = ["REWARD_FNS", "RewardFailure", "RewardFn", "RewardInput", "RewardResult", "Scored", "check_results",
            "dapo_math_verify", "extract_answer", "format_reward", "get_reward_fn", "math_exact", "math_verify",
@@ -34,6 +36,8 @@ REWARD_FNS: dict[str, RewardFn] = {
     "math_exact": math_exact,
     "format": format_reward,
     "repeat_letter": repeat_letter,
+    "tag_format": tag_format,
+    "exact_alnum": exact_alnum,
 }
 
 

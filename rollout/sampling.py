@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
+from protocol.images import PromptImage
 from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
 from rollout.environment import BoundedEnvironment
@@ -32,6 +33,7 @@ from rollout.liveness import EngineDead
 from rollout.reward_env import RewardEnv, score_samples
 from rollout.rewards import RewardFailure, RewardFn, RewardInput
 from rollout.streamed import StreamedSample
+from rollout.vllm_images import vllm_prompt
 
 REWARD_WORKERS = 4
 """Threads that run plain (non-async) reward functions; a hung one keeps its thread until it returns."""
@@ -123,6 +125,8 @@ class GroupSampler:
         self._dead_reason = dead_reason
         self.stats = SamplingStats()
         self.vocab_size = 0
+        self.image_token_id: int | None = None
+        """A vision-language model's image placeholder token (set at engine start); None: a text model."""
         self._request_ids = itertools.count()
         self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
 
@@ -137,6 +141,9 @@ class GroupSampler:
         overrides ``generation.temperature`` (validation; 0 is greedy). With an ``environment``, each sample is an
         episode (:func:`rollout.episode.play_group`)."""
         if self.environment is not None:
+            if request.images:
+                raise ValueError(f"prompt {request.prompt_id}: images with an environment (multi-turn episodes) "
+                                 f"are not supported")
             return await play_group(self, self.environment, request, group_size, temperature)
         results = await asyncio.gather(*(self._sample_with_retries(request, i, temperature)
                                          for i in range(group_size)))
@@ -174,7 +181,7 @@ class GroupSampler:
                                prompt_id=request.prompt_id, prompt_ids=np.asarray(prompt_ids),
                                trajectories=trajectories, group_size=group_size, vocab_size=self.vocab_size,
                                scheduled_step=request.scheduled_step, engine_id=self.engine_id,
-                               created_at=time.time())
+                               created_at=time.time(), image_ids=tuple(i.sha256 for i in request.images))
 
     def no_room(self, prompt_len: int) -> str:
         """Why a prompt of ``prompt_len`` tokens cannot be answered: it fills ``max_model_len``."""
@@ -195,24 +202,27 @@ class GroupSampler:
             return await self._generate(token_ids, budget, seed, temperature)
         return await self._retrying(attempt)
 
-    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
-        """The engine's log-prob of each response token given its prompt and the tokens before it."""
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                          images: list[list[PromptImage]] | None = None) -> list[np.ndarray]:
+        """The engine's log-prob of each response token given its prompt (and its ``images``) and the tokens
+        before it."""
         if len(prompt_ids) != len(response_ids):
             raise ValueError(f"logprobs_of: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        pictures = images if images is not None else [[] for _ in prompt_ids]
 
-        async def one(prompt: list[int], response: list[int]) -> np.ndarray:
+        async def one(prompt: list[int], response: list[int], pics: list[PromptImage]) -> np.ndarray:
             if not prompt:
                 raise ValueError("logprobs_of: a prompt must have at least one token")
             params = self._sampling_params(0, max_tokens=1, prompt_logprobs=0)
             tokens = list(prompt) + list(response)
             try:
-                out = await self._run_request(tokens, params, self.generation.request_timeout_s)
+                out = await self._run_request(tokens, params, self.generation.request_timeout_s, images=pics)
             except SampleFailed as exc:
                 raise EngineError(f"rollout engine {self.engine_id}: logprobs_of failed: {exc}") from None
-            per_pos = out.prompt_logprobs
-            return np.array([per_pos[p][tokens[p]].logprob for p in range(len(prompt), len(tokens))],
-                            dtype=np.float32)
-        return list(await asyncio.gather(*(one(p, r) for p, r in zip(prompt_ids, response_ids, strict=True))))
+            per_pos, first = out.prompt_logprobs, len(out.prompt_token_ids) - len(response)  # image runs collapse
+            return np.array([per_pos[first + k][t].logprob for k, t in enumerate(response)], dtype=np.float32)
+        return list(await asyncio.gather(*(one(p, r, i) for p, r, i in zip(prompt_ids, response_ids, pictures,
+                                                                             strict=True))))
 
     def _sampling_params(self, seed: int, max_tokens: int | None = None, stream: bool = False,
                          temperature: float | None = None, **extra: Any):
@@ -229,14 +239,17 @@ class GroupSampler:
         return f"{self.engine_id}-{next(self._request_ids)}"
 
     async def _run_request(self, token_ids: list[int], params: Any, timeout_s: float,
-                           streamed: StreamedSample | None = None, request_id: str | None = None) -> Any:
-        """Run one request to completion within ``timeout_s``; abort it in the engine otherwise.
+                           streamed: StreamedSample | None = None, request_id: str | None = None,
+                           images: Sequence[PromptImage] = ()) -> Any:
+        """Run one request (of ``token_ids`` and the prompt's ``images``) to completion within ``timeout_s``; abort
+        it in the engine otherwise.
 
         With ``streamed`` (a DELTA request opened in the labels as ``request_id``) every output is
         appended to it; the request leaves the labels when it ends, whatever the outcome."""
         llm = self._llm()
         request_id = request_id or self._new_request_id()
-        prompt: Any = {"prompt_token_ids": token_ids, "cache_salt": f"inflight-weights-v{self._version()}"}
+        version = self._version()
+        prompt: Any = vllm_prompt(token_ids, images, version, self.image_token_id)
         final = None
         self.stats.requests_running += 1
         try:
@@ -266,18 +279,19 @@ class GroupSampler:
         budget = min(self.generation.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         if budget < 1:
             raise SampleFailed(self.no_room(len(request.prompt_ids)))
-        return await self._generate(request.prompt_ids.tolist(), budget, seed, temperature)
+        return await self._generate(request.prompt_ids.tolist(), budget, seed, temperature, request.images)
 
     async def _generate(self, token_ids: list[int], budget: int, seed: int,
-                        temperature: float | None = None) -> SampledTurn:
-        """One attempt: at most ``budget`` tokens after ``token_ids``, with their log-probs and versions."""
+                        temperature: float | None = None, images: Sequence[PromptImage] = ()) -> SampledTurn:
+        """One attempt: at most ``budget`` tokens after ``token_ids`` (and ``images``), with their log-probs and
+        versions."""
         request_id = self._new_request_id()
         streamed = self.labels.open(request_id, self._version())
         params = self._sampling_params(seed, max_tokens=budget, stream=streamed is not None,
                                        temperature=temperature, logprobs=0)
         try:
             out = await self._run_request(token_ids, params, self.generation.request_timeout_s,
-                                          streamed, request_id)
+                                          streamed, request_id, images)
         except (SampleFailed, EngineDead):
             raise
         except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text

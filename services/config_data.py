@@ -82,9 +82,10 @@ class DataConfig(ConfigModel):
     image_key: str | None = Field(default=None, min_length=1)
     """Column holding a row's image (or a list of images) for a vision-language model: a file path (a relative
     one is read against the data file's directory), a ``data:image/...;base64,`` URI, the encoded bytes, or a
-    ``{bytes, path}`` mapping (a ``datasets.Image`` column); None: text rows. Images can be prepared in worker
-    processes (``data.image_workers``) but are not yet sent to the engine (docs/multimodal.md). Inflight's key;
-    NeMo-RL's VLM processors read their datasets' own columns."""
+    ``{bytes, path}`` mapping (a ``datasets.Image`` column); None: text rows. The model must be a Qwen2-VL-family
+    vision-language model; images are prepared in ``data.image_workers`` processes and a prompt carries its resized
+    pixels to the engine once (docs/multimodal.md). Inflight's key; NeMo-RL's VLM processors read their datasets'
+    own columns."""
     image_workers: int = Field(default=8, ge=1, le=64)
     """Worker processes that prepare images (decode, validate, resize and patchify by the model's image processor
     rules; ``rollout/image_pool.py``); 8 is the seed's cap. Inflight's key."""

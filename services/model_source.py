@@ -32,8 +32,11 @@ class TinyModelName:
 
 def parse_tiny(model_name: str) -> TinyModelName:
     """Parse a ``tiny://`` name; ``ValueError`` naming the accepted archs and sizes otherwise."""
-    from services.tiny_model import ARCHS, SIZES
+    from services.tiny_model import ARCHS as TEXT_ARCHS
+    from services.tiny_model import SIZES
+    from services.tiny_vlm import ARCH as VLM_ARCH
 
+    ARCHS = (*TEXT_ARCHS, VLM_ARCH)
     url = urlparse(model_name)
     arch = url.netloc or url.path.strip("/")
     q = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -47,13 +50,19 @@ def parse_tiny(model_name: str) -> TinyModelName:
 def resolve_model(model_name: str) -> str:
     if model_name.startswith("tiny://"):
         from services.tiny_model import make_tiny_model
+        from services.tiny_vlm import ARCH as VLM_ARCH
+        from services.tiny_vlm import make_tiny_vlm
 
         tiny = parse_tiny(model_name)
         out = tiny.cache_dir
         if not (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists():
-            make_tiny_model(out, seed=tiny.seed, arch=tiny.arch, size=tiny.size,
-                            tie_word_embeddings=tiny.tie_word_embeddings)
-        refresh_chat_template(out)
+            if tiny.arch == VLM_ARCH:
+                make_tiny_vlm(out, seed=tiny.seed, size=tiny.size)
+            else:
+                make_tiny_model(out, seed=tiny.seed, arch=tiny.arch, size=tiny.size,
+                                tie_word_embeddings=tiny.tie_word_embeddings)
+        if tiny.arch != VLM_ARCH:  # the VLM's template renders image parts: its own
+            refresh_chat_template(out)
         return str(out)
     path = Path(model_name).expanduser()
     if not (path / "config.json").exists():

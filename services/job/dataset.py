@@ -82,6 +82,13 @@ class Rows:
         k = bisect_right(self.starts, j) - 1
         return f"{self.files[k]} row {j - self.starts[k]}"
 
+    def base_dir(self, i: int) -> str | None:
+        """The directory of row ``i``'s file, against which its relative image paths are read (None for a hub
+        data set)."""
+        k = bisect_right(self.starts, self.source_row(i)) - 1
+        path = Path(self.files[k]) if self.files else None
+        return None if path is None or not path.exists() else str(path if path.is_dir() else path.parent)
+
 
 def split_rows(rows: Rows, size: float, seed: int) -> tuple[Rows, Rows]:
     """``(train, held_out)``: ``size`` (a fraction in (0, 1): ``ceil(size x n)`` rows, or a whole number of rows)
@@ -177,12 +184,14 @@ class RowMapper:
     output_key: str
     messages_key: str
     task_columns: tuple[str, ...] | None = None
-    """Metadata columns kept (None: all but the prompt's and the answer's)."""
+    """Metadata columns kept (None: all but the prompt's, the answer's and the images')."""
+    image_key: str | None = None
+    """The images' column (``data.image_key``): never task metadata."""
 
     @classmethod
     def of(cls, d: DataConfig) -> RowMapper:
         cols = None if d.task_columns is None else tuple(d.task_columns)
-        return cls(d.input_key, d.output_key, d.messages_key, cols)
+        return cls(d.input_key, d.output_key, d.messages_key, cols, d.image_key)
 
     def check_columns(self, rows: Rows, key: str) -> None:
         """Fail at once when no row can have a prompt or an answer (the column is absent from the whole file)."""
@@ -209,7 +218,7 @@ class RowMapper:
             if not text.strip():
                 raise InvalidRow(self.input_key, "empty prompt")
         task = {}
-        skip = {_column(self.input_key, row), self.messages_key, _column(self.output_key, row)}
+        skip = {_column(self.input_key, row), self.messages_key, _column(self.output_key, row), self.image_key}
         for k in (row if self.task_columns is None else self.task_columns):
             if k in skip:
                 continue

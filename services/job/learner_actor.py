@@ -98,11 +98,13 @@ class LearnerActor:
     def version(self) -> int:
         return self.learner.policy_version
 
-    def train_step(self, group_refs: list) -> dict:
+    def train_step(self, group_refs: list, images: dict | None = None) -> dict:
+        """One step on the groups behind ``group_refs``; ``images``: a vision-language prompt's
+        :class:`~learner.mrope_positions.ImageInputs` by prompt id."""
         import ray
 
         groups = [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in ray.get(group_refs)]
-        metrics: dict = self.learner.train_step(groups)
+        metrics: dict = self.learner.train_step(groups, images)
         metrics["skip_reason"] = self.learner.last_skip_reason  # "" when the step was applied
         return metrics
 
@@ -184,11 +186,13 @@ class LearnerActor:
         """Rank 0: free the buckets of every exported version (the engines answered); returns the bytes."""
         return self._ipc.release() if self._ipc is not None else 0
 
-    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                 images: list | None = None) -> list[list[float]]:
+        """Response log-probs; ``images``: per sequence, its prompt's ``ImageInputs`` or None."""
         import numpy as np
 
         out = self.learner.logprobs([np.asarray(p, np.int32) for p in prompt_ids],
-                                    [np.asarray(r, np.int32) for r in response_ids])
+                                    [np.asarray(r, np.int32) for r in response_ids], images)
         return [a.tolist() for a in out]
 
     def save_checkpoint(self, path: str, extra: dict) -> None:

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol import PromptRequest, encode
+from rollout.images import ImageRules
 from services.channel import ChannelTimeout, TrajectoryChannel
 from services.job.batch_stats import batch_stats
 from services.job.buffer import BufferedGroup
 from services.job.checkpoints import Checkpoints, JobState
+from services.job.image_prompts import image_inputs, vision_token_ids
 from services.job.parity import ParityProbe, fixed_sequences
 from services.job.prompt_book import PromptBook, Undelivered
 from services.job.prompt_source import PromptSource, validation_prompts
@@ -64,6 +66,8 @@ class LearnerJob:
                                g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
                                max_prompts_per_step=g.dynamic_sampling_max_gen_batches * g.num_prompts_per_step
                                if g.use_dynamic_sampling else None, reward_scaling=g.reward_scaling)
+        self.image_rules = ImageRules.from_pretrained(model_path) if recipe.data.image_key is not None else None
+        self.vision_tokens = vision_token_ids(model_path) if self.image_rules is not None else frozenset()
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
         self.version = int(learner.call("version"))
@@ -79,10 +83,8 @@ class LearnerJob:
             if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
             self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
-        if not self.parity.sequences:
-            self.parity.sequences = fixed_sequences(
-                self.book.source.first_prompt_ids(recipe.logger.parity_probe_sequences + 1),
-                recipe.logger.parity_probe_sequences, recipe.policy.max_total_sequence_length)
+        if not self.parity.sequences or self.image_rules is not None:  # images are not in checkpoints: rebuilt
+            self._parity_set(recipe.logger.parity_probe_sequences, recipe.policy.max_total_sequence_length)
         pool.attach.remote(self.id, self.channel).result(timeout_s=60)
 
     # ------------------------------------------------------------ the loop's verbs
@@ -167,7 +169,7 @@ class LearnerJob:
         # way, whether or not it was killed and resumed in between.
         buffered = sorted(buffered, key=lambda b: (b.group.scheduled_step, b.group.prompt_id))
         ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
-        metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered])
+        metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered], self._images(buffered))
         self.version = int(self.learner.call("version"))
         self.book.settle(buffered, trained=not self.skips.record(metrics))
         metrics["trajectory_ages"] = ages
@@ -275,6 +277,33 @@ class LearnerJob:
             pass
         self.channel.close()
         self.log.close()
+        self.book.source.close()
+
+    def _parity_set(self, n: int, max_len: int) -> None:
+        """The probe's fixed sequences from the first prompts in row order, with their images (if any)."""
+        first = self.book.source.first_prompts(n + 1)
+        self.parity.sequences = fixed_sequences([p.prompt_ids for p in first], n, max_len,
+                                                leave_out=self.vision_tokens)
+        if self.image_rules is not None and first:
+            self.parity.images = [first[i % len(first)].images for i in range(n)]
+            self.parity.image_inputs = [image_inputs(im, self.image_rules) if im else None
+                                        for im in self.parity.images]
+
+    def _images(self, buffered: list[BufferedGroup]) -> dict | None:
+        """The learner's image inputs of the groups' prompts, by prompt id, made from the pixels their prompts
+        carried to the engine (None for text data)."""
+        if self.image_rules is None:
+            return None
+        out = {}
+        for b in buffered:
+            request = self.book.open_requests[b.group.prompt_id]
+            sent = tuple(i.sha256 for i in request.images)
+            if b.group.image_ids != sent:
+                raise ValueError(f"group {b.group.group_id}: image_ids {list(b.group.image_ids)} are not its "
+                                 f"prompt's images {list(sent)}")
+            if request.images:
+                out[request.prompt_id] = image_inputs(request.images, self.image_rules)
+        return out
 
     # ------------------------------------------------------------ internals
     def _resume(self) -> None:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from protocol import PromptRequest, encode
+from protocol.images import PromptImage
+
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
@@ -79,9 +82,11 @@ def check_parity(stats: dict, max_gen_kl: float, version: int, history: Sequence
 
 
 def fixed_sequences(prompts: Sequence[Iterable[int]], n: int, max_len: int,
-                    continuation_tokens: int = CONTINUATION_TOKENS) -> Sequences:
+                    continuation_tokens: int = CONTINUATION_TOKENS,
+                    leave_out: frozenset[int] = frozenset()) -> Sequences:
     """``n`` probe sequences known before the first step: prompt ``i`` followed by the first tokens of prompt
-    ``i + 1`` (real token ids of the task, the same on both sides), within ``max_len`` tokens in all."""
+    ``i + 1`` (real token ids of the task, the same on both sides), within ``max_len`` tokens in all;
+    ``leave_out``: tokens never put in a continuation (a vision-language model's image placeholders)."""
     if n and not prompts:
         raise ValueError("parity probe: no prompts to build its sequences from")
     out: Sequences = []
@@ -91,7 +96,7 @@ def fixed_sequences(prompts: Sequence[Iterable[int]], n: int, max_len: int,
         if room < 1:
             raise ValueError(f"parity probe: prompt {i % len(prompts)} has {len(prompt)} tokens, no room for a "
                              f"continuation within policy.max_total_sequence_length {max_len}")
-        out.append((prompt, [int(t) for t in prompts[(i + 1) % len(prompts)]][:room]))
+        out.append((prompt, [int(t) for t in prompts[(i + 1) % len(prompts)] if int(t) not in leave_out][:room]))
     return out
 
 
@@ -158,6 +163,10 @@ class ParityProbe:
         """``cfg``: the recipe's ``logger`` section; ``pool``: the pool's DeploymentHandle."""
         self.cfg, self.pool, self.learner = cfg, pool, learner
         self.sequences: Sequences = list(sequences or [])
+        self.images: list[list[PromptImage]] = []
+        """Per sequence, its prompt's images (vision-language data; empty for text: no images anywhere)."""
+        self.image_inputs: list = []
+        """The learner's ``ImageInputs`` of :attr:`images` (None for a sequence without images)."""
         self.history: list[float] = []
         """gen KL of the last accepted probes (the baseline of ``logger.parity_max_gen_kl_ratio``)."""
         self.book = ProbeBook()
@@ -177,8 +186,12 @@ class ParityProbe:
         prompts, responses = [p for p, _ in self.sequences], [r for _, r in self.sequences]
         engines = engine_installs(self.pool)
         targets, skipped = self.book.due(engines)
-        calls = {e: self.pool.logprobs_of.remote(prompts, responses, e) for e in targets}
-        mine = self.learner.call("logprobs", prompts, responses)  # while the engines score their side
+        pictures = [encode(PromptRequest(f"parity-{i}", np.asarray(p), images=im)) for i, (p, im) in
+                    enumerate(zip(prompts, self.images, strict=True))] if self.images else None
+        extra = (pictures,) if pictures else ()
+        calls = {e: self.pool.logprobs_of.remote(prompts, responses, e, *extra) for e in targets}
+        mine = self.learner.call("logprobs", prompts, responses,  # while the engines score their side
+                                 *((self.image_inputs,) if pictures else ()))
         per_engine: dict[str, dict] = {}
         for eid, call in calls.items():
             try:

@@ -13,6 +13,7 @@ file, row and key, or with ``data.skip_invalid_rows`` skipped and counted.
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -21,10 +22,13 @@ import numpy as np
 
 from protocol import PromptRequest
 from services.job.dataset import DataError, InvalidRow, RowMapper, Rows, load_rows, split_rows
+from services.job.image_prompts import BadImage, ImagePrompts
 from services.job.prompt_template import PromptTemplate, read_system_prompt, read_template
 
 if TYPE_CHECKING:
     from services.config import Recipe
+
+log = logging.getLogger("inflight.data")
 
 
 class DataExhausted(Exception):
@@ -68,16 +72,27 @@ class RowPrompts:
     max_len: int | None
     key: str = "data.train_data_path"
     id_prefix: str = "row-"
+    images: ImagePrompts | None = None
+    """A vision-language model's image preparation (``data.image_key``); None: text rows."""
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def get(self, i: int) -> PromptRequest:
-        m = self.mapper.map(self.rows.row(i))
-        ids = self.template.ids(m.text, m.turns)
+        """Prompt ``i``; raises :class:`InvalidRow`, :class:`TooLong` or (an image that cannot be used)
+        :class:`BadImage`."""
+        row = self.rows.row(i)
+        m = self.mapper.map(row)
+        if self.images is None:
+            ids, images = self.template.ids(m.text, m.turns), []
+        else:
+            images = self.images.prepare(row, self.rows.base_dir(i))
+            turns = ImagePrompts.with_image_parts(self.template.messages(m.text, m.turns), len(images))
+            ids = self.images.expand(self.template.ids(turns=turns), images)
         if self.max_len is not None and len(ids) > self.max_len:
             raise TooLong(f"{len(ids)} tokens > data.max_input_seq_length {self.max_len}")
-        return PromptRequest(f"{self.id_prefix}{self.rows.source_row(i)}", np.asarray(ids), m.task)
+        return PromptRequest(f"{self.id_prefix}{self.rows.source_row(i)}", np.asarray(ids), m.task,
+                             images=ImagePrompts.wire(images))
 
     def error(self, i: int, e: InvalidRow) -> DataError:
         return DataError(f"{self.key}: {self.rows.where(i)}: {e} (set data.skip_invalid_rows: true to skip and "
@@ -85,7 +100,7 @@ class RowPrompts:
 
 
 def row_prompts(recipe: Recipe, tokenizer, path: str, key: str, id_prefix: str, split: str | None = None,
-                part: str = "all") -> RowPrompts:
+                part: str = "all", images: ImagePrompts | None = None) -> RowPrompts:
     """The rows at ``path`` (``split``: of an ``hf://`` path) with ``recipe.data``'s mapping, templates and length
     bound; ``part``: ``all``, or of ``data.split_validation_size``'s hold-out ``train`` (the rest) or ``held_out``."""
     d = recipe.data
@@ -98,7 +113,17 @@ def row_prompts(recipe: Recipe, tokenizer, path: str, key: str, id_prefix: str, 
     mapper.check_columns(rows, key)
     template = PromptTemplate(tokenizer, read_template(d.prompt_file), read_system_prompt(d.system_prompt_file),
                               recipe_tools(recipe))
-    return RowPrompts(rows, mapper, template, d.max_input_seq_length, key, id_prefix)
+    return RowPrompts(rows, mapper, template, d.max_input_seq_length, key, id_prefix, images)
+
+
+def image_prompts(recipe: Recipe, model_path: str) -> ImagePrompts | None:
+    """The image preparation of ``data.image_key`` (None for text data): its worker pool, the model's rules."""
+    from services.job.image_prompts import image_token_id
+
+    d = recipe.data
+    if d.image_key is None:
+        return None
+    return ImagePrompts(d.image_pool(model_path), d.row_images, image_token_id(model_path))
 
 
 def recipe_tools(recipe: Recipe) -> list[dict] | None:
@@ -122,7 +147,7 @@ class PromptSource:
         self._legacy_order = isinstance(prompts, list)
         self.seed, self.epoch, self.index = seed, epoch, index
         self.shuffle, self.max_epochs, self.skip_invalid = shuffle, max_epochs, skip_invalid
-        self.dropped_too_long = self.skipped_invalid = 0
+        self.dropped_too_long = self.skipped_invalid = self.failed_images = 0
         self._order = self._shuffled(self.epoch)
 
     @classmethod
@@ -139,7 +164,8 @@ class PromptSource:
         if d.train_data_path is not None:
             part = "train" if d.split_validation_size > 0 else "all"
             prompts: list[PromptRequest] | PromptSet = row_prompts(recipe, tokenizer, d.train_data_path,
-                                                                   "data.train_data_path", "row-", d.train_split, part)
+                                                                   "data.train_data_path", "row-", d.train_split, part,
+                                                                   image_prompts(recipe, model_path))
         elif d.dataset_name is not None:
             prompts = make_prompts(d.dataset_name, tokenizer, d.num_prompts, g.seed, tools=recipe_tools(recipe))
         else:
@@ -148,6 +174,12 @@ class PromptSource:
 
     def __len__(self) -> int:
         return len(self.set)
+
+    def close(self) -> None:
+        """Stop the image workers, if any."""
+        images = getattr(self.set, "images", None)
+        if images is not None:
+            images.close()
 
     def _shuffled(self, epoch: int) -> np.ndarray:
         n = len(self.set)
@@ -182,6 +214,9 @@ class PromptSource:
                 p = self.set.get(i)
             except TooLong:
                 self.dropped_too_long += 1
+            except BadImage as e:
+                self.failed_images += 1
+                log.warning("data: row %d skipped: %s", i, e)
             except InvalidRow as e:
                 if not self.skip_invalid:
                     self.seek(saved)
@@ -214,25 +249,31 @@ class PromptSource:
     def counts(self) -> dict[str, int]:
         """For the metrics row: ``data_epoch``, ``data_dropped_too_long`` and ``data_skipped_invalid`` (rows drawn
         and not used since the run started, a row once per epoch it is drawn in; resumed runs keep counting)."""
-        return {"data_epoch": self.epoch, "data_dropped_too_long": self.dropped_too_long,
-                "data_skipped_invalid": self.skipped_invalid}
+        out = {"data_epoch": self.epoch, "data_dropped_too_long": self.dropped_too_long,
+               "data_skipped_invalid": self.skipped_invalid}
+        images = getattr(self.set, "images", None)
+        if images is not None:
+            out["data_image_failures"] = self.failed_images
+            out.update({f"data_image_failures_{k}": v for k, v in sorted(images.failures.items())})
+        return out
 
-    def first_prompt_ids(self, n: int) -> list[np.ndarray]:
-        """Token ids of the first ``n`` usable prompts in row order (not the shuffled order; nothing is counted),
-        e.g. for the parity probe's fixed sequences."""
-        out: list[np.ndarray] = []
+    def first_prompts(self, n: int) -> list[PromptRequest]:
+        """The first ``n`` usable prompts in row order (not the shuffled order; nothing is counted), e.g. for the
+        parity probe's fixed sequences."""
+        out: list[PromptRequest] = []
         for i in range(len(self.set)):
             if len(out) >= n:
                 break
             try:
-                out.append(self.set.get(i).prompt_ids)
-            except (TooLong, InvalidRow):
+                out.append(self.set.get(i))
+            except (TooLong, InvalidRow, BadImage):
                 continue
         return out
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "rows": len(self.set),
-                "dropped_too_long": self.dropped_too_long, "skipped_invalid": self.skipped_invalid}
+                "dropped_too_long": self.dropped_too_long, "skipped_invalid": self.skipped_invalid,
+                "failed_images": self.failed_images}
 
     def seek(self, position: dict) -> None:
         """Continue at ``position`` (from ``position()``; checkpoints of older runs hold only epoch and index)."""
@@ -243,6 +284,7 @@ class PromptSource:
         self.epoch, self.index = int(position["epoch"]), int(position["index"])
         self.dropped_too_long = int(position.get("dropped_too_long", 0))
         self.skipped_invalid = int(position.get("skipped_invalid", 0))
+        self.failed_images = int(position.get("failed_images", 0))
         self._order = self._shuffled(self.epoch)
 
 
@@ -258,11 +300,13 @@ def validation_prompts(recipe: Recipe, model_path: str, tokenizer=None) -> list[
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     d, n = recipe.data, recipe.grpo.max_val_samples
+    images = image_prompts(recipe, model_path)
     if d.val_data_path is not None:
-        prompts = row_prompts(recipe, tokenizer, d.val_data_path, "data.val_data_path", "val:row-", d.val_split)
+        prompts = row_prompts(recipe, tokenizer, d.val_data_path, "data.val_data_path", "val:row-", d.val_split,
+                              images=images)
     elif d.train_data_path is not None and d.split_validation_size > 0:
         prompts = row_prompts(recipe, tokenizer, d.train_data_path, "data.train_data_path", "val:row-",
-                              d.train_split, "held_out")
+                              d.train_split, "held_out", images)
     elif d.dataset_name is not None:
         from rollout.tasks import make_prompts
 
@@ -276,11 +320,13 @@ def validation_prompts(recipe: Recipe, model_path: str, tokenizer=None) -> list[
             break
         try:
             out.append(prompts.get(i))
-        except TooLong:
+        except (TooLong, BadImage):
             continue
         except InvalidRow as e:
             if not d.skip_invalid_rows:
                 raise prompts.error(i, e) from e
+    if images is not None:
+        images.close()  # validation's images are all prepared now
     if not out:
         raise ValueError(f"{prompts.key} {prompts.rows.path!r}: no usable validation row (all invalid or longer "
                          f"than data.max_input_seq_length {d.max_input_seq_length})")

@@ -144,8 +144,10 @@ class RolloutPool:
         return await self.ipc.install(manifest_bytes, shares, gpu, reset, timeout_s)
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                          engine_id: str | None = None) -> list[list[float]]:
-        return await self.fleet.logprobs_of(prompt_ids, response_ids, engine_id)
+                          engine_id: str | None = None, image_prompts: list[bytes] | None = None) -> list[list[float]]:
+        """One engine's response log-probs; ``image_prompts``: per sequence, an encoded ``PromptRequest`` whose
+        ``images`` are the prompt's (vision-language prompts)."""
+        return await self.fleet.logprobs_of(prompt_ids, response_ids, engine_id, image_prompts)
 
     async def sleep_engines(self) -> None:
         await self.fleet.sleep()

@@ -298,8 +298,11 @@ class EngineActor:
         """The UUID of each vLLM worker's GPU ('' on CPU)."""
         return await self._unless_dead(self.engine.gpu_uuids())
 
-    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        out = await self.engine.logprobs_of(prompt_ids, response_ids)
+    async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                          image_prompts: list[bytes] | None = None) -> list[list[float]]:
+        images = None if image_prompts is None else \
+            [cast(PromptRequest, decode(b, expect=PromptRequest)).images for b in image_prompts]
+        out = await self.engine.logprobs_of(prompt_ids, response_ids, images)
         return [a.tolist() for a in out]
 
     async def sleep(self) -> None:

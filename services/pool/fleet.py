@@ -189,9 +189,9 @@ class Fleet:
             await asyncio.sleep(1.0)
 
     async def logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                          engine_id: str | None = None) -> list[list[float]]:
+                          engine_id: str | None = None, image_prompts: list[bytes] | None = None) -> list[list[float]]:
         eid = engine_id or (self.serving() or list(self.handles))[0]  # default: the first healthy engine
-        return await asyncio.wait_for(self.handles[eid].logprobs_of.remote(prompt_ids, response_ids),
+        return await asyncio.wait_for(self.handles[eid].logprobs_of.remote(prompt_ids, response_ids, image_prompts),
                                       self.recipe.policy.generation.request_timeout_s)
 
     async def sleep(self) -> None:

@@ -17,7 +17,8 @@ from hypothesis.extra import numpy as hnp
 from protocol import (ControlMessage, PromptRequest, Trajectory, TrajectoryGroup, WeightBucket,
                       WeightManifest, masked_fill, pack_buckets)
 from protocol.loss_mask import sampled_spans
-from protocol.messages import CONTROL_ACTIONS, FINISH_REASONS, WEIGHT_DTYPES, dtype_itemsize
+from protocol.control import CONTROL_ACTIONS
+from protocol.messages import FINISH_REASONS, WEIGHT_DTYPES, dtype_itemsize
 
 OK_REASONS = tuple(r for r in FINISH_REASONS if r != "error")
 I64 = (-(1 << 63), (1 << 63) - 1)

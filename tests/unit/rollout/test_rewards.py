@@ -53,8 +53,9 @@ def test_repeat_letter_counts_every_token_of_the_target_set():
 
 def test_registry():
     assert get_reward_fn("math_exact") is math_exact
-    with pytest.raises(ValueError, match=r"reward function: expected one of \['dapo_math_verify', 'format', "
-                                         r"'math_exact', 'math_verify', 'repeat_letter'\] or 'module:function' / "
+    with pytest.raises(ValueError, match=r"reward function: expected one of \['dapo_math_verify', 'exact_alnum', "
+                                         r"'format', 'math_exact', 'math_verify', 'repeat_letter', 'tag_format'\] or "
+                                         r"'module:function' / "
                                          r"'file.py:function', got 'nope'"):
         get_reward_fn("nope")
 

@@ -83,7 +83,7 @@ def test_every_arch_is_a_tiny_name_and_checks_without_being_built(arch, tmp_path
 @pytest.mark.parametrize("name", ["tiny://gpt2", "tiny://qwen3?size=huge", "tiny://llama3?tie=yes", "tiny://qwen2?seed=x"])
 def test_bad_tiny_names_list_the_choices(name):
     from services.model_source import check_model
-    with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral>"):
+    with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral\|qwen2_5_vl>"):
         check_model(name)
 
 

@@ -88,7 +88,7 @@ def test_too_long_rows_are_dropped_and_counted(tmp_path):
     got = _ids(src.next(6, 1))
     assert "row-2@0" not in got and len(got) == 6
     assert src.counts() == {"data_epoch": 1, "data_dropped_too_long": 1, "data_skipped_invalid": 0}
-    assert len(src.first_prompt_ids(3)) == 3 and src.counts()["data_dropped_too_long"] == 1
+    assert len(src.first_prompts(3)) == 3 and src.counts()["data_dropped_too_long"] == 1
 
 
 def test_bad_rows_error_names_file_row_and_key_or_are_skipped_and_counted(tmp_path):
@@ -102,7 +102,7 @@ def test_bad_rows_error_names_file_row_and_key_or_are_skipped_and_counted(tmp_pa
     skip = PromptSource(rows, seed=0, shuffle=False, skip_invalid=True)
     assert _ids(skip.next(3, 1)) == ["row-0@0", "row-2@0", "row-3@0"]
     assert skip.counts()["data_skipped_invalid"] == 1
-    assert [int(x[0]) for x in skip.first_prompt_ids(2)] == [ord("u")] * 2
+    assert [int(x.prompt_ids[0]) for x in skip.first_prompts(2)] == [ord("u")] * 2
 
 
 def test_max_num_epochs_ends_the_stream(tmp_path):

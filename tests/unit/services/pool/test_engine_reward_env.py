@@ -37,5 +37,6 @@ def test_an_env_name_without_its_section_is_a_clear_error():
 
 def test_an_unknown_reward_function_name_is_a_recipe_error():
     with pytest.raises(ValueError, match=r"env.math.reward_functions.0: name: expected one of \['dapo_math_verify', "
-                                         r"'format', 'math_exact', 'math_verify', 'repeat_letter'\].*got 'mathverify'"):
+                                         r"'exact_alnum', 'format', 'math_exact', 'math_verify', 'repeat_letter', "
+                                         r"'tag_format'\].*got 'mathverify'"):
         load_recipe(None, ["env.math.reward_functions=[{name: mathverify, weight: 1.0}]"])
