@@ -175,8 +175,8 @@ L)
   SYNC="--recipe recipes/gpu-1xh200-sync.yaml --steps 4 policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false \
     checkpointing.enabled=false"
   step colocated_sync_object_store 290 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_object_store"
-  step colocated_sync_cuda_ipc 270 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_cuda_ipc" \
-    policy.refit_transport=cuda_ipc
+  step colocated_sync_cuda_ipc 270 $PY -m services.cli run $SYNC policy.refit_transport=cuda_ipc \
+    --run-dir "$OUT/sync_cuda_ipc"
   for d in sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   ;;
 M)
