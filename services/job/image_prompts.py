@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,21 +67,18 @@ class ImagePrompts:
     """A row's image references (``DataConfig.row_images``)."""
     token_id: int
     """The ``<|image_pad|>`` token id."""
-    failures: Counter = field(default_factory=Counter)
-    """Rows failed by an image, by :data:`rollout.images.FAILURE_KINDS` kind."""
 
     def prepare(self, row: dict, base_dir: str | None) -> list[PreparedImage]:
-        """The row's images, prepared; :class:`BadImage` for the first that cannot be used (counted)."""
+        """The row's images, prepared; :class:`BadImage` for the first that cannot be used (the prompt source counts
+        it)."""
         from rollout.images import ImageFailure
 
         refs = self.refs_of(row)
         if not refs:
-            self.failures["missing"] += 1
             raise BadImage("missing", "the row has no image (data.image_key is empty)")
         out = self.pool.prepare(refs, base_dir)
         for result in out:
             if isinstance(result, ImageFailure):
-                self.failures[result.kind] += 1
                 raise BadImage(result.kind, result.reason)
         return [r for r in out if not isinstance(r, ImageFailure)]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -147,7 +148,9 @@ class PromptSource:
         self._legacy_order = isinstance(prompts, list)
         self.seed, self.epoch, self.index = seed, epoch, index
         self.shuffle, self.max_epochs, self.skip_invalid = shuffle, max_epochs, skip_invalid
-        self.dropped_too_long = self.skipped_invalid = self.failed_images = 0
+        self.dropped_too_long = self.skipped_invalid = 0
+        self.failed_images: Counter[str] = Counter()
+        """Rows skipped for an image that cannot be used, by kind (:data:`rollout.images.FAILURE_KINDS`)."""
         self._order = self._shuffled(self.epoch)
 
     @classmethod
@@ -215,7 +218,7 @@ class PromptSource:
             except TooLong:
                 self.dropped_too_long += 1
             except BadImage as e:
-                self.failed_images += 1
+                self.failed_images[e.kind] += 1
                 log.warning("data: row %d skipped: %s", i, e)
             except InvalidRow as e:
                 if not self.skip_invalid:
@@ -251,10 +254,9 @@ class PromptSource:
         and not used since the run started, a row once per epoch it is drawn in; resumed runs keep counting)."""
         out = {"data_epoch": self.epoch, "data_dropped_too_long": self.dropped_too_long,
                "data_skipped_invalid": self.skipped_invalid}
-        images = getattr(self.set, "images", None)
-        if images is not None:
-            out["data_image_failures"] = self.failed_images
-            out.update({f"data_image_failures_{k}": v for k, v in sorted(images.failures.items())})
+        if getattr(self.set, "images", None) is not None:
+            out["data_image_failures"] = sum(self.failed_images.values())
+            out.update({f"data_image_failures_{k}": v for k, v in sorted(self.failed_images.items())})
         return out
 
     def first_prompts(self, n: int) -> list[PromptRequest]:
@@ -273,7 +275,7 @@ class PromptSource:
     def position(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "rows": len(self.set),
                 "dropped_too_long": self.dropped_too_long, "skipped_invalid": self.skipped_invalid,
-                "failed_images": self.failed_images}
+                "failed_images": dict(self.failed_images)}
 
     def seek(self, position: dict) -> None:
         """Continue at ``position`` (from ``position()``; checkpoints of older runs hold only epoch and index)."""
@@ -284,7 +286,7 @@ class PromptSource:
         self.epoch, self.index = int(position["epoch"]), int(position["index"])
         self.dropped_too_long = int(position.get("dropped_too_long", 0))
         self.skipped_invalid = int(position.get("skipped_invalid", 0))
-        self.failed_images = int(position.get("failed_images", 0))
+        self.failed_images = Counter({str(k): int(v) for k, v in dict(position.get("failed_images") or {}).items()})
         self._order = self._shuffled(self.epoch)
 
 

@@ -8,36 +8,19 @@ reported.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from readme_blocks import readme_commands, run_as_user
 
-ROOT = Path(__file__).resolve().parents[3]
 README_SECTION = "## Train on images"
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(README_SECTION):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, f"README.md: no bash block under {README_SECTION!r}"
-    return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
-
-
 def run_block(tmp_path: Path, extra: dict[str, str]) -> list[dict]:
-    """Run the README's commands in ``tmp_path`` (each command with ``extra[first word]`` appended); the run's
-    metrics rows."""
-    for name in (".venv", "scripts", "recipes"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTEST"))}
-    for cmd in readme_commands():
-        cmd += "".join(f" {v}" for k, v in extra.items() if k in cmd)
-        done = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert done.returncode == 0, f"{cmd!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    """Run the README's commands in ``tmp_path`` (a command containing a key of ``extra`` gets its value appended);
+    the run's metrics rows."""
+    cmds = [cmd + "".join(f" {v}" for k, v in extra.items() if k in cmd) for cmd in readme_commands(README_SECTION)]
+    run_as_user(tmp_path, cmds)
     path = tmp_path / "runs/clevr-tiny-cpu/metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 

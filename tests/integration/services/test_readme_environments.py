@@ -6,22 +6,12 @@ writes a tool call, so it is not asked to)."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from readme_blocks import readme_commands, run_as_user
 
-ROOT = Path(__file__).resolve().parents[3]
 README_SECTION = "## Train in a multi-turn environment"
-
-
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index(README_SECTION):], re.S)
-    assert block, f"README.md: no bash block under {README_SECTION!r}"
-    return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
 def rows(path: Path) -> list[dict]:
@@ -31,13 +21,8 @@ def rows(path: Path) -> list[dict]:
 def run_readme_line(tmp_path: Path, recipe: str) -> Path:
     """Run the README block's line that names ``recipe`` in ``tmp_path``, as a user would; returns the run's
     metrics file."""
-    [cmd] = [c for c in readme_commands() if recipe in c]
-    for name in (".venv", "recipes"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTEST"))}
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{cmd!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    [cmd] = [c for c in readme_commands(README_SECTION) if recipe in c]
+    run_as_user(tmp_path, [cmd], links=(".venv", "recipes"), pythonpath=True)
     return tmp_path / "runs" / Path(recipe).stem / "metrics.jsonl"
 
 
