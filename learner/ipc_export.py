@@ -6,7 +6,7 @@ each on the device in one pass over its bytes (:func:`row_checksum`; one host
 sync for all) and shares each bucket with torch's ``reduce_tensor``: a CUDA IPC
 handle of its allocation, a shared-memory reference counter and a CUDA event
 recorded after the writes. What leaves the process is plain data
-(:class:`SharedBucket`, wire form in ``rollout/ipc_receiver.py``); the engine
+(:class:`protocol.ipc_share.BucketShare`); the engine
 maps the buckets and copies out of them. The exporter keeps every bucket of a
 version alive until :meth:`IpcExporter.release` (the learner job calls it once
 every engine has answered, whether the push succeeded or not); torch keeps a
@@ -15,12 +15,12 @@ released bucket's memory until the last process mapping it lets go.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from protocol import TensorSpec, WeightManifest
+from protocol.ipc_share import BucketShare
 from protocol.weight_transfer import dtype_name, plan_buckets
 from protocol.weights import _manifest_checksum
 
@@ -51,40 +51,16 @@ def gpu_uuid(device: torch.device | str) -> str:
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
-@dataclass(frozen=True)
-class SharedBucket:
-    """One exported bucket: its size, its GPU and torch's CUDA IPC share of it (the data arguments of
-    ``rebuild_cuda_tensor``)."""
+def share_bucket(bucket: torch.Tensor) -> BucketShare:
+    """Share ``bucket`` (a contiguous uint8 CUDA tensor) as plain data."""
+    from torch.multiprocessing.reductions import reduce_tensor
 
-    nbytes: int
-    device_uuid: str
-    tensor_offset: int
-    storage_device: int
-    storage_handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-
-    @classmethod
-    def of(cls, bucket: torch.Tensor) -> SharedBucket:
-        """Share ``bucket`` (a contiguous uint8 CUDA tensor)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        args: Any = reduce_tensor(bucket)[1]  # rebuild_cuda_tensor's arguments (a CUDA tensor's reduction)
-        (_, _, _, tensor_offset, _, _, device, handle, size, offset, _, counter, counter_offset, event,
-         event_sync) = args
-        return cls(int(bucket.numel()), gpu_uuid(bucket.device), int(tensor_offset),
-                   int(device), bytes(handle), int(size), int(offset), bytes(counter), int(counter_offset),
-                   None if event is None else bytes(event), bool(event_sync))
-
-    def to_wire(self) -> list:
-        """The wire form ``rollout.ipc_receiver.BucketShare.from_wire`` reads (its field order)."""
-        return [self.nbytes, self.device_uuid, self.tensor_offset, self.storage_device, self.storage_handle,
-                self.storage_size_bytes, self.storage_offset_bytes, self.ref_counter_handle, self.ref_counter_offset,
-                self.event_handle, self.event_sync_required]
+    args: Any = reduce_tensor(bucket)[1]  # rebuild_cuda_tensor's arguments (a CUDA tensor's reduction)
+    (_, _, _, tensor_offset, _, _, device, handle, size, offset, _, counter, counter_offset, event,
+     event_sync) = args
+    return BucketShare(int(bucket.numel()), gpu_uuid(bucket.device), int(tensor_offset), int(device), bytes(handle),
+                       int(size), int(offset), bytes(counter), int(counter_offset),
+                       None if event is None else bytes(event), bool(event_sync))
 
 
 class IpcExporter:
@@ -94,7 +70,7 @@ class IpcExporter:
         self._held: dict[int, list[torch.Tensor]] = {}
 
     def export(self, version: int, tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
-               ) -> tuple[WeightManifest, list[SharedBucket]]:
+               ) -> tuple[WeightManifest, list[BucketShare]]:
         """Pack ``tensors`` (all on one CUDA device) as version ``version`` and share the buckets; returns the
         manifest (with the buckets' device checksums) and one share per bucket."""
         if not tensors:
@@ -112,7 +88,7 @@ class IpcExporter:
                                                                              .view(torch.uint8))
         manifest = ipc_manifest(version, specs, sizes, buckets)  # waits for the copies
         self._held[version] = buckets
-        return manifest, [SharedBucket.of(b) for b in buckets]
+        return manifest, [share_bucket(b) for b in buckets]
 
     @property
     def held(self) -> dict[int, int]:

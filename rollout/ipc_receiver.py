@@ -17,80 +17,27 @@ copies have finished on the device. The learner keeps the buffers until every
 engine has answered (``services/refit/cuda_ipc.py``). docs/rollout.md ("Pushes
 through CUDA IPC") has the steps.
 
-The wire form of a share (:meth:`BucketShare.from_wire`) is the list
-``[nbytes, device_uuid, tensor_offset, storage_device, storage_handle,
-storage_size_bytes, storage_offset_bytes, ref_counter_handle,
-ref_counter_offset, event_handle, event_sync_required]``: the arguments of
-``rebuild_cuda_tensor`` that are data, in its order, after the bucket's size and
-the UUID of the GPU it lives on.
+The wire form of a share is :class:`protocol.ipc_share.BucketShare`'s.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from protocol.ipc_share import BucketShare
 
 logger = logging.getLogger(__name__)
 
-WIRE_FIELDS = ("nbytes", "device_uuid", "tensor_offset", "storage_device", "storage_handle", "storage_size_bytes",
-               "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
-               "event_sync_required")
-"""The fields of a share's wire form, in order."""
 
+def map_share(share: BucketShare, device_index: int) -> Any:
+    """The shared bucket as a uint8 tensor on this process's ``device_index``, backed by the learner's memory."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-@dataclass(frozen=True)
-class BucketShare:
-    """One bucket of a push, shared by the learner's process through CUDA IPC."""
-
-    nbytes: int
-    """Bytes of the bucket (its manifest's ``bucket_sizes`` entry)."""
-    device_uuid: str
-    """UUID of the GPU the bucket lives on (``torch.cuda.get_device_properties(...).uuid``)."""
-    tensor_offset: int
-    storage_device: int
-    storage_handle: bytes
-    """The ``cudaIpcMemHandle_t`` of the allocation holding the bucket."""
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    """The learner's shared-memory counter of the processes that still map the bucket."""
-    ref_counter_offset: int
-    event_handle: bytes | None
-    """The ``cudaIpcEventHandle_t`` recorded after the learner's last write (None: nothing to wait for)."""
-    event_sync_required: bool
-
-    @classmethod
-    def from_wire(cls, item: Any, path: str) -> BucketShare:
-        """Parse the wire form (see the module docstring); ``ValueError`` naming ``path`` and the field."""
-        if not isinstance(item, (list, tuple)) or len(item) != len(WIRE_FIELDS):
-            raise ValueError(f"{path}: expected a list of {len(WIRE_FIELDS)} fields {WIRE_FIELDS}, got "
-                             f"{type(item).__name__} of {len(item) if isinstance(item, (list, tuple)) else '?'}")
-        values = dict(zip(WIRE_FIELDS, item, strict=True))
-        for name in ("nbytes", "tensor_offset", "storage_device", "storage_size_bytes", "storage_offset_bytes",
-                     "ref_counter_offset"):
-            if isinstance(values[name], bool) or not isinstance(values[name], int) or values[name] < 0:
-                raise ValueError(f"{path}.{name}: expected an int >= 0, got {values[name]!r}")
-        for name in ("storage_handle", "ref_counter_handle"):
-            if not isinstance(values[name], bytes) or not values[name]:
-                raise ValueError(f"{path}.{name}: expected non-empty bytes, got {type(values[name]).__name__}")
-        if values["event_handle"] is not None and not isinstance(values["event_handle"], bytes):
-            raise ValueError(f"{path}.event_handle: expected bytes or None, got "
-                             f"{type(values['event_handle']).__name__}")
-        if not isinstance(values["device_uuid"], str) or not values["device_uuid"]:
-            raise ValueError(f"{path}.device_uuid: expected a GPU UUID, got {values['device_uuid']!r}")
-        if not isinstance(values["event_sync_required"], bool):
-            raise ValueError(f"{path}.event_sync_required: expected a bool, got {values['event_sync_required']!r}")
-        return cls(**values)
-
-    def map(self, device_index: int) -> Any:
-        """The bucket as a uint8 tensor on this process's ``device_index``, backed by the learner's memory."""
-        import torch
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        return rebuild_cuda_tensor(torch.Tensor, (self.nbytes,), (1,), self.tensor_offset, torch.storage.TypedStorage,
-                                   torch.uint8, device_index, self.storage_handle, self.storage_size_bytes,
-                                   self.storage_offset_bytes, False, self.ref_counter_handle,
-                                   self.ref_counter_offset, self.event_handle, self.event_sync_required)
+    return rebuild_cuda_tensor(torch.Tensor, (share.nbytes,), (1,), share.tensor_offset, torch.storage.TypedStorage,
+                               torch.uint8, device_index, share.storage_handle, share.storage_size_bytes,
+                               share.storage_offset_bytes, False, share.ref_counter_handle,
+                               share.ref_counter_offset, share.event_handle, share.event_sync_required)
 
 
 def gpu_uuid(device: Any) -> str:
@@ -168,7 +115,7 @@ class IpcWeightReceiver:
                                    f"this worker's device is {device} ({mine or 'no GPU'}); a CUDA IPC push needs "
                                    f"the learner rank and the engine on one GPU")
         assert device is not None  # a GPU worker: its uuid matched
-        buckets = [share.map(device.index or 0) for share in parsed]
+        buckets = [map_share(share, device.index or 0) for share in parsed]
         self._inflight_mapped = buckets
         check_sums(manifest, buckets)
         self._inflight_received = (manifest, buckets)

@@ -8,9 +8,10 @@ import torch
 
 from learner import ipc_export
 from protocol import encode
+from protocol.ipc_share import WIRE_FIELDS, BucketShare
 from protocol.weight_transfer import plan_buckets
 from rollout import ipc_receiver
-from rollout.ipc_receiver import WIRE_FIELDS, BucketShare, IpcWeightReceiver, check_sums
+from rollout.ipc_receiver import IpcWeightReceiver, check_sums
 
 WIRE = [2048, "GPU-1234", 0, 0, b"h" * 64, 4096, 1024, b"/torch_1_2", 8, b"e" * 64, True]
 
@@ -19,6 +20,7 @@ def test_a_share_is_read_from_its_wire_form_and_each_bad_field_is_named():
     share = BucketShare.from_wire(WIRE, "shares[0]")
     assert share.nbytes == 2048 and share.device_uuid == "GPU-1234" and share.storage_offset_bytes == 1024
     assert BucketShare.from_wire([*WIRE[:9], None, False], "s").event_handle is None
+    assert share.to_wire() == WIRE and BucketShare.from_wire(share.to_wire(), "s") == share  # the learner writes it
     with pytest.raises(ValueError, match=r"shares\[1\]: expected a list of 11 fields"):
         BucketShare.from_wire(WIRE[:5], "shares[1]")
     for field, value, expect in [("nbytes", -1, "an int >= 0"), ("storage_handle", "h", "non-empty bytes"),
