@@ -51,7 +51,9 @@ def test_init_distributed_applies_the_budget():
     (own process: it makes a gloo group and Megatron's parallel state)."""
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root), "RANK": "0", "WORLD_SIZE": "1"})
+                          env={**{k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")},
+                               "PYTHONPATH": str(root), "RANK": "0", "WORLD_SIZE": "1"})
+    # (not the parent's MASTER_PORT: an in-process learner of an earlier test may still listen on it)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads(lines[0][len("RESULT "):]) == [0.3]
