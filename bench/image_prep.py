@@ -16,7 +16,10 @@ them measure contention, not scaling. The CPU time per image (this process and t
 much less than the wall time on what else the machine runs: it is the cost of the path, and the caller's share
 bounds what one caller can take in (1000 / that many images/s).
 
-    .venv/bin/python bench/image_prep.py [--images 256] [--repeats 3]
+    .venv/bin/python bench/image_prep.py [--images 256] [--repeats 3] [--vlm-metrics RUN/metrics.jsonl]
+
+``--vlm-metrics`` adds one VLM step's breakdown (means over the warm steps of a run of
+``recipes/clevr-tiny-cpu.yaml``: policy training, exposed generation, refit, other) to the output and the JSON.
 """
 from __future__ import annotations
 
@@ -141,12 +144,25 @@ def bench_workload(name: str, paths: list[str], rules, repeats: int) -> dict:
             "mean_pixel_values_mb": round(batch.pixel_values.nbytes / len(paths) / 1e6, 3), "rows": rows}
 
 
+def vlm_step_breakdown(metrics: Path) -> dict:
+    """One VLM step, broken down: the warm-step means of a run's metrics (bench/step_breakdown.py's summary)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_breakdown import summarize
+
+    out = summarize(metrics)
+    print(f"\nVLM step ({metrics}, {out['steps']} steps, warm means): total {out['step_s']:.2f} s, policy training "
+          f"{out['policy_training_s']:.2f} s, generation exposed {out['generation_exposed_s']:.2f} s, refit "
+          f"{out['refit_s']:.2f} s")
+    return out
+
+
 def main() -> None:
     from rollout.images import ImageRules
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vlm-metrics", type=Path, default=None, help="a VLM run's metrics.jsonl: its step breakdown")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     machine = {"cores_usable": cores, "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -171,10 +187,11 @@ def main() -> None:
                 print(f"{r['label']:14} {r['images_per_s']:>9.0f} {r['vs_in_process']:>14.2f} "
                       f"{r['vs_1_worker']:>12.2f} {r['start_s']:>13.2f} {r['cpu_ms_per_image']:>13.2f} "
                       f"{r['caller_cpu_ms_per_image']:>13.2f}")
+    vlm_step = vlm_step_breakdown(args.vlm_metrics) if args.vlm_metrics else None
     machine["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine, "repeats": args.repeats,
-                                   "workloads": results}, indent=2) + "\n")
+                                   "workloads": results, "vlm_step": vlm_step}, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
 
 
