@@ -11,14 +11,13 @@ Nothing here starts an engine. docs/rollout.md ("Engine options") has the table.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from rollout.config import VllmConfig
+from rollout.vllm_images import image_token_id
 
 KEY = "policy.generation.vllm_cfg"
 Platform = Literal["cpu", "cuda"]
@@ -122,15 +121,6 @@ IMAGES_PER_PROMPT = 8
 """Most images one prompt of a vision-language model may bring (the seed's cap on image workers is 8 too)."""
 
 
-def vision_language(model_path: str) -> bool:
-    """Whether the model directory's ``config.json`` has a vision tower (``vision_config``)."""
-    path = Path(model_path) / "config.json"
-    try:
-        return "vision_config" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
                          caps: VllmCapabilities | None = None, colocated: bool = False) -> EngineOptions:
     """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``max_model_len`` is the
@@ -216,7 +206,7 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             args["enable_sleep_mode"] = True
             platform_args.append("enable_sleep_mode=True (colocated: the engine sleeps while the learner trains)")
 
-    if vision_language(model_path):
+    if image_token_id(model_path) is not None:  # a vision-language model
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "
                              f"model: images only; vLLM profiles memory for this many)")

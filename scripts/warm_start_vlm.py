@@ -39,19 +39,18 @@ def examples(model_dir: str, data: Path, limit: int):
     from transformers import AutoTokenizer
 
     from rollout.images import ImageRules, prepare_image
-    from services.job.image_prompts import ImagePrompts, image_token_id
+    from services.job.image_prompts import ImagePrompts, expand_image_tokens, image_token_id
     from services.job.prompt_template import PromptTemplate, read_template
 
     template = PromptTemplate(AutoTokenizer.from_pretrained(model_dir),
                               read_template(str(Path(__file__).resolve().parents[1] / "recipes/prompts/clevr_cot.txt")))
     rules, token = ImageRules.from_pretrained(model_dir), image_token_id(model_dir)
-    expander = ImagePrompts(pool=None, refs_of=lambda row: [], token_id=token)  # type: ignore[arg-type]
     rows = [json.loads(line) for line in data.read_text().splitlines()[:limit]]
     out, answers = [], sorted({str(r["output"]) for r in rows})
     for r in rows:
         image = prepare_image(r["image"], rules, base_dir=str(data.parent))
         turns = ImagePrompts.with_image_parts(template.messages(r["input"]), 1)
-        out.append((expander.expand(template.ids(turns=turns), [image]), image))
+        out.append((expand_image_tokens(template.ids(turns=turns), [image], token), image))
     return out, answers, template.tokenizer
 
 

@@ -12,7 +12,6 @@ counts by kind and skips (docs/multimodal.md).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
     from rollout.image_pool import ImagePool
     from rollout.images import ImageRef, ImageRules, PreparedImage
 
-log = logging.getLogger("inflight.data")
 IMAGE_PAD = "<|image_pad|>"
 """The Qwen2-VL family's image placeholder token."""
 
@@ -41,13 +39,14 @@ class BadImage(Exception):
 
 
 def image_token_id(model_dir: str) -> int:
-    """``image_token_id`` of the model's ``config.json`` (the Qwen2-VL family's ``<|image_pad|>``)."""
-    path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    token = cfg.get("image_token_id", cfg.get("text_config", {}).get("image_token_id"))
-    if not isinstance(token, int):
-        raise ValueError(f"data.image_key is set, but {path} has no integer image_token_id: the model is not a "
-                         f"vision-language model of the Qwen2-VL family")
+    """``image_token_id`` of the model's ``config.json`` (:func:`rollout.vllm_images.image_token_id`, which the
+    engine reads too); a model without one is an error naming the file."""
+    from rollout.vllm_images import image_token_id as engine_image_token
+
+    token = engine_image_token(model_dir)
+    if token is None:
+        raise ValueError(f"data.image_key is set, but {Path(model_dir) / 'config.json'} has no integer "
+                         f"image_token_id: the model is not a vision-language model of the Qwen2-VL family")
     return token
 
 
@@ -83,20 +82,8 @@ class ImagePrompts:
         return [r for r in out if not isinstance(r, ImageFailure)]
 
     def expand(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> list[int]:
-        """``ids`` with the ``i``-th ``<|image_pad|>`` repeated ``images[i].num_tokens`` times; a template that did
-        not render one placeholder per image is an error naming the counts."""
-        at = [j for j, t in enumerate(ids) if t == self.token_id]
-        if len(at) != len(images):
-            raise ValueError(f"data.image_key: the chat template rendered {len(at)} {IMAGE_PAD} for {len(images)} "
-                             f"images; it must render one per {{'type': 'image'}} part")
-        out: list[int] = []
-        start = 0
-        for j, image in zip(at, images, strict=True):
-            out.extend(ids[start:j])
-            out.extend([self.token_id] * image.num_tokens)
-            start = j + 1
-        out.extend(ids[start:])
-        return out
+        """:func:`expand_image_tokens` with this model's placeholder."""
+        return expand_image_tokens(ids, images, self.token_id)
 
     @staticmethod
     def with_image_parts(turns: list[dict], count: int) -> list[dict]:
@@ -114,6 +101,23 @@ class ImagePrompts:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def expand_image_tokens(ids: Sequence[int], images: Sequence[PreparedImage], token_id: int) -> list[int]:
+    """``ids`` with the ``i``-th placeholder ``token_id`` repeated ``images[i].num_tokens`` times; a template that did
+    not render one placeholder per image is an error naming the counts."""
+    at = [j for j, t in enumerate(ids) if t == token_id]
+    if len(at) != len(images):
+        raise ValueError(f"data.image_key: the chat template rendered {len(at)} {IMAGE_PAD} for {len(images)} "
+                         f"images; it must render one per {{'type': 'image'}} part")
+    out: list[int] = []
+    start = 0
+    for j, image in zip(at, images, strict=True):
+        out.extend(ids[start:j])
+        out.extend([token_id] * image.num_tokens)
+        start = j + 1
+    out.extend(ids[start:])
+    return out
 
 
 def image_inputs(images: Sequence[PromptImage], rules: ImageRules) -> ImageInputs:
