@@ -38,7 +38,9 @@ from services.refit.cuda_ipc import IpcFanout, IpcPlan
 from services.refit.object_store import ObjectStoreFanout
 from services.refit.result import RefitResult
 
-app = FastAPI(title="Inflight rollout pool", version="1")
+app = FastAPI(title="Inflight rollout pool", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+"""No ``/docs``, ``/redoc`` or ``/openapi.json``: nobody asked for them, and ``/docs`` loads scripts from a CDN
+(docs/security.md)."""
 
 
 class ScaleRequest(BaseModel):

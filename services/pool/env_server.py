@@ -71,7 +71,8 @@ def environment_app(env: Environment[Any] | AsyncEnvironment[Any], name: str) ->
         if not callable(getattr(env, method, None)):
             raise TypeError(f"environment {name!r}: {type(env).__name__} has no method {method}(); see "
                             f"rollout.environment.Environment")
-    app = FastAPI(title=f"Inflight environment {name!r}", version="1")
+    app = FastAPI(title=f"Inflight environment {name!r}", version="1", docs_url=None, redoc_url=None,
+                  openapi_url=None)  # no API pages: /docs loads scripts from a CDN (docs/security.md)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
