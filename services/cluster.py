@@ -6,12 +6,15 @@ starts a head node (``ray start --head``) with its own temp dir, token
 authentication on (its token in INFLIGHT_HOME, see ``cluster_auth``) and its dashboard
 on a free port of 127.0.0.1 (Ray's job server: ``inflight learner submit``), and records
 it in ``INFLIGHT_HOME/cluster.json`` (default ``~/.inflight``); later commands
-find it there, and ``stop_cluster`` ends exactly that node's processes.
+find it there, and ``stop_cluster`` ends exactly that node's processes. A ``ray start --head`` that fails
+leaves nothing: the processes it had started are stopped and the error is one line (``ClusterStartError``).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 from services import cluster_auth, cluster_procs
+from services.cluster_auth import ClusterConnectError
+
+log = logging.getLogger("inflight.cluster")
 
 
 def state_dir() -> Path:
@@ -72,15 +78,45 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
            f"--dashboard-agent-listen-port={agent_port}",
            "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=cluster_auth.head_env(token))
-    if out.returncode != 0:
-        raise RuntimeError(f"could not start a Ray head node: {out.stderr.strip()[-500:]}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             env=cluster_auth.head_env(token))
+        failed = f"exited {out.returncode}" if out.returncode != 0 else ""
+        output = f"{out.stdout}\n{out.stderr}"
+    except subprocess.TimeoutExpired as err:
+        failed, output = f"did not finish in {timeout_s:g} s", f"{err.stdout or ''}\n{err.stderr or ''}"
+    if failed:
+        _remove_failed_head(temp, port, token, output)
+        raise ClusterStartError(f"could not start a Ray head node (`ray start --head` {failed}): "
+                                f"{_last_line(output)}")
     addr = f"127.0.0.1:{port}"
     state = {"address": addr, "dashboard_address": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp,
              "auth_mode": "token", "token_path": str(token),
              "head_pids": cluster_procs.snapshot(cluster_procs.root_pids(temp, port))}
     state_file().write_text(json.dumps(state, indent=1))
     return addr
+
+
+class ClusterStartError(ClusterConnectError):
+    """``ray start --head`` failed; what it had started was stopped (one line; the CLI exits 2)."""
+
+
+def _remove_failed_head(temp: str, port: int, token: Path, output: str) -> None:
+    """After a failed ``ray start --head``: stop every process it left (gcs_server, dashboard, monitor...),
+    remove its temp dir and token; its whole output goes to the log (driver.log under the CLI), not the console."""
+    log.error("`ray start --head` failed; its output:\n%s", output, extra={"file_only": True})
+    alive = cluster_procs.stop_tree(cluster_procs.root_pids(temp, port))
+    token.unlink(missing_ok=True)
+    shutil.rmtree(temp, ignore_errors=True)
+    if alive:
+        raise ClusterStartError(f"could not start a Ray head node, and could not stop the processes it left "
+                                f"{cluster_procs.describe(alive)}: {_last_line(output)}")
+
+
+def _last_line(output: str) -> str:
+    """The last non-empty line of a command's output (a Python traceback's last line is its error)."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", output).splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
 
 
 def stop_cluster() -> bool:
