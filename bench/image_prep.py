@@ -85,7 +85,7 @@ def run_serial(paths: list[str], rules, repeats: int) -> tuple[list[float], floa
     times, cpu0 = [], cpu_seconds()[0]
     for _ in range(repeats):
         t = time.perf_counter()
-        out = [prepare_image(p, rules) for p in paths]
+        out = [prepare_image(p, rules, base_dir=os.path.dirname(p)) for p in paths]
         times.append(time.perf_counter() - t)
         assert all(isinstance(o, PreparedImage) for o in out)
     return times, cpu_seconds()[0] - cpu0
@@ -98,13 +98,13 @@ def run_pool(paths: list[str], rules, workers: int, repeats: int) -> tuple[float
 
     t = time.perf_counter()
     with ImagePool(rules, num_workers=workers) as pool:
-        pool.prepare(paths[: 2 * workers])
+        pool.prepare(paths[: 2 * workers], os.path.dirname(paths[0]))
         start = time.perf_counter() - t
         time.sleep(0.5 + 0.25 * workers)  # every worker has run its initializer (they start together, 2 cores)
         times, (own0, kids0) = [], cpu_seconds()
         for _ in range(repeats):
             t = time.perf_counter()
-            pool.prepare(paths)
+            pool.prepare(paths, os.path.dirname(paths[0]))
             times.append(time.perf_counter() - t)
         own1, kids1 = cpu_seconds()
         assert not pool.counts.failed, pool.counts
@@ -114,7 +114,7 @@ def run_pool(paths: list[str], rules, workers: int, repeats: int) -> tuple[float
 def bench_workload(name: str, paths: list[str], rules, repeats: int) -> dict:
     from rollout.images import PreparedImage, batch_images, prepare_image
 
-    prepared = [prepare_image(p, rules) for p in paths]
+    prepared = [prepare_image(p, rules, base_dir=os.path.dirname(p)) for p in paths]
     assert all(isinstance(p, PreparedImage) for p in prepared)
     batch = batch_images(prepared)  # type: ignore[arg-type]
     n = len(paths) * repeats

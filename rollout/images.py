@@ -4,7 +4,9 @@ patchify it by the model's image processor rules, and name it by the sha256 of i
 :func:`prepare_image` never raises for a bad image: it returns an :class:`ImageFailure` whose ``kind`` is one of
 :data:`FAILURE_KINDS` and whose ``reason`` says what was wrong (a missing or empty file, a file over
 ``max_bytes``, bytes that are not an image, a truncated or corrupt file, dimensions over ``max_pixels`` or an aspect
-ratio over 200, a pixel mode with no faithful RGB conversion such as 16-bit or float). A good one becomes a
+ratio over 200, a pixel mode with no faithful RGB conversion such as 16-bit or float, a path outside the data's
+directory tree or not a regular file (:mod:`rollout.image_refs`), a format outside :data:`IMAGE_FORMATS`, or
+whatever else a decoder raises). A good one becomes a
 :class:`PreparedImage` holding exactly what ``Qwen2VLImageProcessorPil`` returns for it (``pixel_values``,
 ``image_grid_thw``; a unit test compares them) plus its content hash, its sizes and its image-token count.
 :mod:`rollout.image_pool` runs this in worker processes.
@@ -25,30 +27,31 @@ fixed-shape batch (every image padded to the largest) would have wasted.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
-ImageRef = str | bytes | Mapping[str, object]
-"""How a dataset row names an image: a file path (relative ones against the data file's directory), a
-``data:image/...;base64,`` URI, the encoded bytes, or a ``{"bytes": ..., "path": ...}`` mapping (the layout of a
-Hugging Face ``datasets.Image`` column)."""
-FailureKind = Literal["missing", "empty", "too_many_bytes", "not_an_image", "truncated", "corrupt", "too_large",
-                      "bad_aspect", "bad_mode", "bad_reference", "timeout", "worker_died"]
-FAILURE_KINDS: tuple[FailureKind, ...] = ("missing", "empty", "too_many_bytes", "not_an_image", "truncated",
-                                          "corrupt", "too_large", "bad_aspect", "bad_mode", "bad_reference",
-                                          "timeout", "worker_died")
-"""Why an image failed; ``timeout`` and ``worker_died`` come from the worker pool."""
+from rollout.image_refs import (
+    DEFAULT_LIMITS,
+    FAILURE_KINDS,
+    IMAGE_FORMATS,
+    FailureKind,
+    ImageFailure,
+    ImageLimits,
+    ImageRef,
+    read_ref,
+)
+
+__all__ = ["FAILURE_KINDS", "IMAGE_FORMATS", "FailureKind", "ImageBatch", "ImageFailure", "ImageLimits", "ImageRef",
+           "ImageRules", "PreparedImage", "batch_images", "prepare_image", "process_pixels", "smart_resize"]
+
 CONVERTED_MODES = ("RGB", "L", "P", "1", "CMYK", "YCbCr", "LAB", "RGBX")
 """Pillow modes converted to RGB as they are."""
 TRANSPARENT_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
@@ -107,16 +110,6 @@ class ImageRules:
 
 
 @dataclass(frozen=True)
-class ImageLimits:
-    """What an input image may be before it is decoded."""
-
-    max_bytes: int = 32 * 2**20
-    """Encoded size."""
-    max_pixels: int = 8192 * 8192
-    """Width x height, read from the header before the pixels are decoded."""
-
-
-@dataclass(frozen=True)
 class PreparedImage:
     """One image as the model's processor outputs it, named by the sha256 of its encoded bytes."""
 
@@ -137,15 +130,6 @@ class PreparedImage:
     (what the engine is given, so that engine and learner start from the same pixels)."""
 
 
-@dataclass(frozen=True)
-class ImageFailure:
-    """An image that cannot be used, with why; ``sha256`` when its bytes were read."""
-
-    kind: FailureKind
-    reason: str
-    sha256: str | None = None
-
-
 def smart_resize(height: int, width: int, rules: ImageRules) -> tuple[int, int]:
     """Height and width after the processor's resize (multiples of ``rules.factor``, area in
     ``[min_pixels, max_pixels]``, aspect ratio kept as closely as that allows)."""
@@ -160,58 +144,24 @@ def smart_resize(height: int, width: int, rules: ImageRules) -> tuple[int, int]:
     return h_bar, w_bar
 
 
-def read_ref(ref: ImageRef, base_dir: str | None, limits: ImageLimits) -> bytes | ImageFailure:
-    """The encoded bytes an :data:`ImageRef` names, or why they cannot be had."""
-    if isinstance(ref, Mapping):
-        data, path = ref.get("bytes"), ref.get("path")
-        if isinstance(data, bytes | bytearray | memoryview):
-            return read_ref(bytes(data), base_dir, limits)
-        if isinstance(path, str):
-            return read_ref(path, base_dir, limits)
-        return ImageFailure("bad_reference", f"a mapping needs 'bytes' or a 'path' string, got keys {sorted(ref)}")
-    if isinstance(ref, bytes | bytearray | memoryview):
-        data = bytes(ref)
-    elif isinstance(ref, str) and ref.startswith("data:"):
-        head, _, payload = ref.partition(",")
-        if not head.endswith(";base64") or not head.startswith("data:image/"):
-            return ImageFailure("bad_reference", f"a data URI must be data:image/<type>;base64,..., got {head[:40]!r}")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            return ImageFailure("bad_reference", f"a data URI whose base64 does not decode: {e}")
-    elif isinstance(ref, str):
-        path = Path(ref) if base_dir is None or os.path.isabs(ref) else Path(base_dir) / ref
-        try:
-            n = path.stat().st_size
-            if n > limits.max_bytes:
-                return ImageFailure("too_many_bytes", f"{path}: {n} bytes, over max_bytes {limits.max_bytes}")
-            data = path.read_bytes()
-        except OSError as e:
-            return ImageFailure("missing", f"{path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
-    else:
-        return ImageFailure("bad_reference", f"expected a path, data URI, bytes or {{bytes, path}} mapping, got "
-                                             f"{type(ref).__name__}")
-    if not data:
-        return ImageFailure("empty", "zero size (0 bytes)")
-    if len(data) > limits.max_bytes:
-        return ImageFailure("too_many_bytes", f"{len(data)} bytes, over max_bytes {limits.max_bytes}")
-    return data
-
-
-def prepare_image(ref: ImageRef, rules: ImageRules, limits: ImageLimits = ImageLimits(),
+def prepare_image(ref: ImageRef, rules: ImageRules, limits: ImageLimits = DEFAULT_LIMITS,
                   base_dir: str | None = None) -> PreparedImage | ImageFailure:
-    """Read, validate, convert, resize and patchify one image (module docstring); never raises for a bad image."""
+    """Read, validate, convert, resize and patchify one image (module docstring); never raises for a bad image: an
+    exception of a decoder is the image's ``corrupt`` failure."""
     data = read_ref(ref, base_dir, limits)
     if isinstance(data, ImageFailure):
         return data
     digest = hashlib.sha256(data).hexdigest()
-    img = _decode(data, limits, digest)
-    if isinstance(img, ImageFailure):
-        return img
-    width, height = img.size
-    h, w = smart_resize(height, width, rules)
-    rgb = np.asarray(img.resize((w, h), resample=rules.resample), dtype=np.uint8)
-    patches, grid = process_pixels(rgb, rules)
+    try:
+        img = _decode(data, limits, digest)
+        if isinstance(img, ImageFailure):
+            return img
+        width, height = img.size
+        h, w = smart_resize(height, width, rules)
+        rgb = np.asarray(img.resize((w, h), resample=rules.resample), dtype=np.uint8)
+        patches, grid = process_pixels(rgb, rules)
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises fails this image alone, with the reason
+        return ImageFailure("corrupt", f"decoding failed: {type(e).__name__}: {e}"[:500], digest)
     return PreparedImage(digest, patches, grid, (width, height), (w, h), int(grid.prod()) // rules.merge_size ** 2,
                          len(data), rgb)
 
@@ -235,9 +185,10 @@ def _decode(data: bytes, limits: ImageLimits, digest: str):
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
-        return ImageFailure("not_an_image", f"not an image Pillow can read ({len(data)} bytes)", digest)
+        return ImageFailure("not_an_image", f"not an image of an accepted format {'/'.join(IMAGE_FORMATS)} "
+                                            f"({len(data)} bytes)", digest)
     except Image.DecompressionBombError as e:
         return ImageFailure("too_large", f"huge dimensions: {e}", digest)
     except (OSError, ValueError, SyntaxError) as e:

@@ -96,15 +96,25 @@ class DataConfig(ConfigModel):
     max_image_pixels: int = Field(default=8192 * 8192, ge=1, le=2**31)
     """Largest image accepted, width x height, read from its header before decoding; a larger one fails,
     counted (the processor then shrinks accepted images to its own ``max_pixels``)."""
+    image_roots: list[str] = Field(default_factory=list)
+    """Directories an image path may point into besides the data's own directory tree (the data file's
+    directory, or the ``save_to_disk`` directory); a path whose real path (symlinks resolved) is elsewhere fails,
+    counted (``outside_root``). Inflight's key (docs/security.md)."""
 
     def image_pool(self, model_dir: str) -> ImagePool:
         """A :class:`rollout.image_pool.ImagePool` of these settings, with the image processor rules of
         ``model_dir`` (its ``preprocessor_config.json``)."""
+        import os
+
         from rollout.image_pool import ImagePool
         from rollout.images import ImageLimits, ImageRules
 
+        for k, root in enumerate(self.image_roots):
+            if not os.path.isdir(root):
+                raise ValueError(f"data.image_roots[{k}] {root!r}: not a directory")
+        roots = tuple(os.path.realpath(r) for r in self.image_roots)
         return ImagePool(ImageRules.from_pretrained(model_dir), ImageLimits(self.max_image_bytes,
-                                                                            self.max_image_pixels),
+                                                                            self.max_image_pixels, roots),
                          num_workers=self.image_workers, timeout_s=self.image_timeout_s)
 
     def row_images(self, row: dict) -> list[ImageRef]:

@@ -38,23 +38,36 @@ def forged_png_header(width: int, height: int) -> bytes:
 
 
 def bad_images(tmp_path) -> dict[str, tuple[object, ImageLimits]]:
-    """One reference of every bad kind the preparation itself detects, with the limits it is read under."""
+    """One reference of every bad kind the preparation itself detects, with the limits it is read under (paths may
+    point into ``tmp_path / "data"``: :func:`data_limits`)."""
     png = encoded(noise(120, 100))
-    (tmp_path / "empty.png").write_bytes(b"")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "empty.png").write_bytes(b"")
+    (tmp_path / "outside.png").write_bytes(png)
+    (data / "sub").mkdir(exist_ok=True)
     corrupt = bytearray(png)
     corrupt[60:400] = bytes(340)  # zeroed compressed pixels: the header reads, the pixels do not
+    limits = data_limits(tmp_path)
     return {
-        "missing": (str(tmp_path / "nope.png"), ImageLimits()),
-        "empty": (str(tmp_path / "empty.png"), ImageLimits()),
+        "missing": (str(data / "nope.png"), limits),
+        "empty": (str(data / "empty.png"), limits),
         "too_many_bytes": (png, ImageLimits(max_bytes=len(png) - 1)),
-        "not_an_image": (b"this is not an image at all", ImageLimits()),
-        "truncated": (png[: len(png) // 2], ImageLimits()),
-        "corrupt": (bytes(corrupt), ImageLimits()),
+        "not_an_image": (b"this is not an image at all", limits),
+        "truncated": (png[: len(png) // 2], limits),
+        "corrupt": (bytes(corrupt), limits),
         "too_large": (encoded(noise(200, 200)), ImageLimits(max_pixels=199 * 200)),
-        "bad_aspect": (encoded(Image.new("RGB", (402, 2))), ImageLimits()),
-        "bad_mode": (encoded(Image.new("I;16", (64, 64))), ImageLimits()),
-        "bad_reference": (12345, ImageLimits()),
+        "bad_aspect": (encoded(Image.new("RGB", (402, 2))), limits),
+        "bad_mode": (encoded(Image.new("I;16", (64, 64))), limits),
+        "bad_reference": (12345, limits),
+        "outside_root": (str(data / ".." / "outside.png"), limits),
+        "not_a_file": (str(data / "sub"), limits),
     }
+
+
+def data_limits(tmp_path) -> ImageLimits:
+    """Default limits with ``tmp_path / "data"`` as the one directory paths may point into."""
+    return ImageLimits(roots=(str((tmp_path / "data").resolve()),))
 
 
 class KillsItsWorker(Mapping):

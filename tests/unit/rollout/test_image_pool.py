@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from image_samples import RULES, KillsItsWorker, bad_images, encoded, noise
+from image_samples import RULES, KillsItsWorker, bad_images, data_limits, encoded, noise
 from PIL import Image
 
 from rollout.image_pool import ImagePool
@@ -20,13 +20,14 @@ from rollout.images import ImageFailure, ImageLimits, PreparedImage, prepare_ima
 
 def test_a_mixed_batch_comes_back_in_order_and_failures_are_counted(tmp_path):
     good = [encoded(noise(40 + 30 * k, 200 - 25 * k, seed=k)) for k in range(6)]
-    bad = {kind: ref for kind, (ref, limits) in bad_images(tmp_path).items() if limits == ImageLimits()}
+    limits = data_limits(tmp_path)
+    bad = {kind: ref for kind, (ref, lim) in bad_images(tmp_path).items() if lim == limits}
     refs = [good[0], *bad.values(), *good[1:]]
-    with ImagePool(RULES, num_workers=2, max_in_flight=3) as pool:
+    with ImagePool(RULES, limits, num_workers=2, max_in_flight=3) as pool:
         out = pool.prepare(refs)  # type: ignore[arg-type]
         assert len(out) == len(refs)
         for ref, got in zip(refs, out, strict=True):
-            want = prepare_image(ref, RULES)  # type: ignore[arg-type]
+            want = prepare_image(ref, RULES, limits)  # type: ignore[arg-type]
             assert type(got) is type(want)
             if isinstance(want, PreparedImage):
                 assert got.sha256 == want.sha256 and np.array_equal(got.pixel_values, want.pixel_values)  # type: ignore
@@ -42,7 +43,7 @@ def test_repeated_references_are_prepared_once(tmp_path):
     path.write_bytes(encoded(noise(90, 60)))
     data = encoded(noise(50, 50, seed=1))
     with ImagePool(RULES, num_workers=1) as pool:
-        out = pool.prepare([str(path), data, str(path), {"bytes": data, "path": None}, data])
+        out = pool.prepare([str(path), data, str(path), {"bytes": data, "path": None}, data], str(tmp_path))
         assert pool.counts.deduplicated == 3 and pool.counts.prepared == 5
         assert out[0] is out[2] and out[1] is out[3] is out[4]
 

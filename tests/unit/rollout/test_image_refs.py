@@ -1,0 +1,111 @@
+"""Where an image reference may point (rollout/image_refs.py, issue 32.1): only into the data's directory tree or
+``data.image_roots`` (``../``, absolute paths and symlinks to outside are refused unopened), only regular files
+(a FIFO or ``/dev/zero`` neither blocks nor fills memory), bounded in size before reading, decoded only as an
+accepted format (an EPS named ``.png`` never reaches Ghostscript), and a decoder's own exception is the image's
+failure, never the caller's."""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+
+import pytest
+from image_samples import RULES, encoded, noise
+
+from rollout.images import ImageFailure, ImageLimits, PreparedImage, prepare_image
+
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\n%%EndComments\n"
+       b"newpath 0 0 moveto 32 32 lineto stroke\nshowpage\n%%EOF\n")
+
+
+@pytest.fixture
+def data(tmp_path):
+    """``tmp_path/data`` holding ``a.png``; ``tmp_path/secret.png`` beside it, outside."""
+    (tmp_path / "data").mkdir()
+    png = encoded(noise(60, 40))
+    (tmp_path / "data" / "a.png").write_bytes(png)
+    (tmp_path / "secret.png").write_bytes(png)
+    return tmp_path / "data"
+
+
+def _fails(ref, kind, base_dir=None, limits=ImageLimits()) -> str:
+    out = prepare_image(ref, RULES, limits, base_dir)
+    assert isinstance(out, ImageFailure) and out.kind == kind, out
+    return out.reason
+
+
+def test_paths_inside_the_data_directory_read(data):
+    assert isinstance(prepare_image("a.png", RULES, base_dir=str(data)), PreparedImage)
+    assert isinstance(prepare_image(str(data / "a.png"), RULES, base_dir=str(data)), PreparedImage)
+    (data / "sub").mkdir()
+    os.symlink(data / "a.png", data / "sub" / "link.png")  # a symlink that stays inside is fine
+    assert isinstance(prepare_image("sub/link.png", RULES, base_dir=str(data)), PreparedImage)
+
+
+def test_paths_outside_the_data_directory_are_refused(data, monkeypatch):
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k))
+    reason = _fails("../secret.png", "outside_root", str(data))
+    assert "outside the data's directory tree" in reason and "data.image_roots" in reason
+    _fails(str(data.parent / "secret.png"), "outside_root", str(data))
+    _fails("/etc/passwd", "outside_root", str(data))
+    _fails("/proc/self/environ", "outside_root", str(data))
+    os.symlink(data.parent / "secret.png", data / "innocent.png")
+    _fails("innocent.png", "outside_root", str(data))
+    _fails(str(data / "a.png"), "outside_root")  # no data directory (a Hub data set) and no roots: no path at all
+    assert not any("secret" in p or p.startswith(("/etc", "/proc")) for p in opened), opened
+
+
+def test_image_roots_allow_more_directories(data):
+    limits = ImageLimits(roots=(str(data.parent.resolve()),))
+    assert isinstance(prepare_image("../secret.png", RULES, limits, str(data)), PreparedImage)
+    assert isinstance(prepare_image(str(data.parent / "secret.png"), RULES, limits), PreparedImage)
+
+
+def test_a_fifo_and_a_device_are_refused_without_blocking(data):
+    os.mkfifo(data / "pipe.png")
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(prepare_image("pipe.png", RULES, base_dir=str(data))),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    assert results, "reading a FIFO blocked"
+    assert isinstance(results[0], ImageFailure) and results[0].kind == "not_a_file"
+    reason = _fails("/dev/zero", "not_a_file", limits=ImageLimits(roots=("/dev",)))
+    assert "not a regular file" in reason
+
+
+def test_an_oversized_file_is_refused_before_reading(data):
+    with open(data / "big.png", "wb") as f:
+        f.truncate(64 * 2**30)  # sparse: reading it would take 64 GiB
+    reason = _fails("big.png", "too_many_bytes", str(data))
+    assert f"{64 * 2**30} bytes, over max_bytes" in reason
+
+
+def test_eps_is_refused_without_ghostscript(data, monkeypatch):
+    from PIL import EpsImagePlugin
+
+    calls: list[object] = []
+
+    def ghostscript(*args, **kwargs):
+        calls.append(args)
+        raise subprocess.CalledProcessError(1, ["gs"])
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    (data / "eps.png").write_bytes(EPS)
+    reason = _fails("eps.png", "not_an_image", str(data))
+    assert "PNG/JPEG" in reason
+    _fails(EPS, "not_an_image")  # bytes in the row: the same allow-list
+    assert not calls
+
+
+def test_a_decoders_own_exception_is_the_images_failure(monkeypatch):
+    from PIL import PngImagePlugin
+
+    def broken(self):
+        raise RuntimeError("decoder bug")
+
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", broken)
+    reason = _fails(encoded(noise(40, 40)), "corrupt")
+    assert "RuntimeError: decoder bug" in reason
