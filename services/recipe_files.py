@@ -5,12 +5,15 @@ configs (``nemo_rl/utils/config.py``), with OmegaConf:
 
 1. ``defaults: base.yaml`` (or a list of files), relative to the file that names it, is read first and
    recursively; the file's keys are merged over it (mappings key by key, anything else replaced). A mapping that
-   holds ``_override_: true`` replaces the inherited one instead of merging into it. A cycle is an error.
+   holds ``_override_: true`` replaces the inherited one instead of merging into it. A cycle is an error; a
+   ``defaults:`` file must be a YAML file inside the recipe's tree (:func:`services.recipe_guard.recipe_roots`).
 2. Command-line overrides ``key.path=value`` (value parsed as YAML; Hydra's ``+``/``++`` prefixes accepted,
    ``~key.path`` deletes) apply to the composed recipe *before* interpolation is resolved, so overriding
    ``policy.max_total_sequence_length`` moves every value interpolated from it.
 3. ``${a.b}`` interpolations and NeMo-RL's resolvers ``${add:x,y}``, ``${mul:x,y}``, ``${div:x,y}``,
-   ``${max:x,y}`` are resolved to plain dicts and lists.
+   ``${max:x,y}`` are resolved to plain dicts and lists; any other resolver (``oc.env``...) is an error.
+
+Every file is read within :mod:`services.recipe_guard`'s bounds (regular file, size, alias expansion).
 
 A file that cannot be read, bad YAML, a ``???`` (mandatory) value left unset, or an interpolation that does not
 resolve is a :class:`RecipeError` naming the key.
@@ -25,17 +28,18 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from services.recipe_guard import (
+    RecipeError,
+    check_defaults_file,
+    check_expansion,
+    check_resolvers,
+    read_bounded,
+    recipe_roots,
+    yaml_reason,
+)
+
 OVERRIDE_MARKER = "_override_"
 """NeMo-RL's marker: a mapping holding ``_override_: true`` replaces the inherited mapping instead of merging."""
-
-
-class RecipeError(ValueError):
-    """A recipe could not be loaded; ``path`` is the dotted key path."""
-
-    def __init__(self, path: str, reason: str):
-        self.path = path
-        self.reason = reason
-        super().__init__(f"{path}: {reason}" if path else reason)
 
 
 def register_resolvers() -> None:
@@ -53,14 +57,12 @@ def _omega_error(exc: OmegaConfBaseException, what: str) -> RecipeError:
 
 
 def _load_file(path: Path) -> DictConfig:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RecipeError("", f"cannot read recipe {path}: {exc.strerror or exc}") from None
+    text = read_bounded(path)
+    check_expansion(text, path)
     try:
         cfg = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as exc:
-        raise RecipeError("", f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise RecipeError("", f"{path} is not valid YAML: {yaml_reason(exc)}") from None
     except OmegaConfBaseException as exc:
         raise _omega_error(exc, f"{path} cannot be read as a recipe") from None
     if not isinstance(cfg, DictConfig):
@@ -95,8 +97,10 @@ def merge(base: DictConfig, over: DictConfig, where: str = "") -> DictConfig:
     return out
 
 
-def compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    """The recipe at ``path`` merged over its ``defaults`` chain; interpolations left unresolved."""
+def compose(path: Path, seen: tuple[Path, ...] = (), roots: tuple[Path, ...] | None = None) -> DictConfig:
+    """The recipe at ``path`` merged over its ``defaults`` chain; interpolations left unresolved. ``roots``: the
+    trees ``defaults:`` files may lie in (default: :func:`~services.recipe_guard.recipe_roots` of ``path``)."""
+    roots = recipe_roots(path) if roots is None else roots
     path = path.resolve()
     if path in seen:
         raise RecipeError("defaults", f"cycle: {' -> '.join(str(p) for p in seen + (path,))}")
@@ -110,8 +114,9 @@ def compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise RecipeError("defaults", f"{path}: expected a file name or a list of them, got {defaults!r}")
     base = OmegaConf.create({})
     for name in names:
-        parent = Path(name) if name.startswith("/") else path.parent / name
-        base = merge(base, compose(parent, seen + (path,)), str(parent))
+        parent = (Path(name) if name.startswith("/") else path.parent / name).resolve()
+        check_defaults_file(parent, path, roots)
+        base = merge(base, compose(parent, seen + (path,), roots), str(parent))
     return merge(base, cfg, str(path))
 
 
@@ -128,11 +133,11 @@ def parse_override(text: str) -> tuple[list[str], Any, bool]:
         raise RecipeError(key, "empty key segment in override")
     try:
         holder = OmegaConf.load(io.StringIO(f"v: {raw}")) if raw.strip() else None
-        value = holder.get("v") if isinstance(holder, DictConfig) else raw.strip()
+        # unresolved: an interpolation in an override is resolved with the recipe's, after check_resolvers
+        plain = OmegaConf.to_container(holder, resolve=False) if isinstance(holder, DictConfig) else None
+        value = plain["v"] if isinstance(plain, dict) else raw.strip()
     except (yaml.YAMLError, OmegaConfBaseException):
         value = raw
-    if isinstance(value, DictConfig | ListConfig):
-        value = OmegaConf.to_container(value)
     return parts, value, delete
 
 
@@ -164,6 +169,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def resolve(cfg: DictConfig) -> dict:
     """Plain data with every interpolation resolved; a ``???`` left or a bad interpolation names its key."""
     register_resolvers()
+    check_resolvers(OmegaConf.to_container(cfg, resolve=False))
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:

@@ -16,6 +16,7 @@ def write(folder: Path, name: str, text: str) -> Path:
 
 
 def test_defaults_chain_is_recursive_relative_to_each_file_and_later_files_win(tmp_path: Path):
+    write(tmp_path, "pyproject.toml", "")  # the project tree: ../base is inside it
     write(tmp_path, "base/root.yaml", "a: {x: 1, y: 1, z: 1}\nlist: [1, 2]\n")
     write(tmp_path, "base/mid.yaml", "defaults: root.yaml\na: {y: 2}\n")
     write(tmp_path, "other.yaml", "a: {z: 3}\nlist: [9]\n")
@@ -80,7 +81,8 @@ def test_a_missing_mandatory_value_names_its_key(tmp_path: Path):
     assert read_recipe(child, ["policy.model_name=m"]) == {"policy": {"model_name": "m", "other": 1}}
 
 
-@pytest.mark.parametrize("expr, words", [("${policy.nope}", "cannot resolve"), ("${nosuch:1,2}", "cannot resolve"),
+@pytest.mark.parametrize("expr, words", [("${policy.nope}", "cannot resolve"),
+                                         ("${nosuch:1,2}", "resolver .nosuch. is not allowed"),
                                          ("${policy.a", "cannot be read as a recipe")])
 def test_a_bad_interpolation_names_its_key(tmp_path: Path, expr: str, words: str):
     path = write(tmp_path, "r.yaml", f"policy:\n  a: 1\n  b: {expr}\n")
