@@ -384,7 +384,7 @@ class Learner:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra``."""
-        payload, _ = checkpoint.load(path)
+        payload, _ = checkpoint.load(path, self.gpt.state_dict())  # another model's: one line, not a traceback
         with torch.no_grad():
             self.gpt.load_state_dict(payload["model"], strict=True)
         self.optim.load_inner_state(payload["optimizer"])

@@ -8,6 +8,10 @@ groups, open requests, drop counts) and the parity set (invariant 7). They go to
 ``checkpointing.metric_name``, plus the newest; or the newest ``keep_top_k``). Each checkpoint's metric
 value is stored next to it (``step_<k>/job_metric.json``), so the ranking survives a restart. With
 ``checkpointing.save_hf`` each also holds the policy in Hugging Face format (``step_<k>/hf``).
+
+``latest`` is written atomically (:mod:`services.job.checkpoint_marker`); when it is missing, empty, unreadable
+or names a step that is not complete on disk, the newest complete step is used, with a warning; a ``latest`` or
+step directory that is a symlink, or a name leading outside the checkpoint directory, is refused.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.job.checkpoint_marker import LATEST, latest_complete, step_dir, write_atomic
 from services.job.parity import Sequences
 from services.job.prompt_book import BookState
 
@@ -102,7 +107,7 @@ class Checkpoints:
         value = (row or {}).get(name) if name else None
         value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         (path / METRIC_FILE).write_text(json.dumps({"step": state.step, "metric_name": name, "value": value}))
-        (self.root / "latest").write_text(path.name)
+        write_atomic(self.root / LATEST, path.name)
         on_disk = self.ranked()
         keep = kept(on_disk, self.cfg.keep_top_k, name, self.cfg.higher_is_better)
         for c in on_disk:
@@ -129,11 +134,20 @@ class Checkpoints:
             out.append(Ranked(step, value))
         return out
 
+    def latest(self) -> Path | None:
+        """The checkpoint a run resumes from: what ``latest`` names, or the newest complete step (with a warning)
+        when it cannot be used; None when there is none. ``CheckpointRefused`` for a symlink or a name outside
+        the checkpoint directory."""
+        return latest_complete(self.root)
+
+    def step(self, step: int) -> Path:
+        """``step_<step>``, complete on disk; ``CheckpointRefused`` (one line) otherwise."""
+        return step_dir(self.root, step)
+
     def load_latest(self, learner: LearnerGroup) -> tuple[Path, JobState] | None:
-        """Load the latest checkpoint into the learner's ranks; its path and the job's state, or None if there
-        is none."""
-        marker = self.root / "latest"
-        if not marker.exists():
+        """Load the latest checkpoint (:meth:`latest`) into the learner's ranks; its path and the job's state, or
+        None if there is none."""
+        path = self.latest()
+        if path is None:
             return None
-        path = self.root / marker.read_text().strip()
         return path, JobState.of(learner.call("load_checkpoint", str(path)))

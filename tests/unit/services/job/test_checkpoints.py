@@ -14,7 +14,8 @@ from services.job.prompt_book import BookState
 
 
 class SavingLearner(FakeLearner):
-    """Makes each checkpoint's directory and keeps its ``extra`` (the learner's ranks write both)."""
+    """Makes each checkpoint's directory with the files a one-rank save leaves (``meta.json``, ``rank_00000.pt``,
+    here empty) and keeps its ``extra`` (the learner's ranks write all of it)."""
 
     def __init__(self, version: int = 0):
         super().__init__(version)
@@ -25,6 +26,8 @@ class SavingLearner(FakeLearner):
             path, extra = args
             self.saved[path] = extra
             Path(path).mkdir()
+            (Path(path) / "meta.json").write_text(json.dumps({"step": extra["step"], "world_size": 1}))
+            (Path(path) / "rank_00000.pt").write_bytes(b"")
             return None
         if method == "save_hf":
             self.calls.append((method, args[0]))
