@@ -75,7 +75,9 @@ def tool_schemas(names: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def load_environment_class(path: str) -> type:
-    """The class at a registered name or ``package.module:Class`` / ``/path/to/file.py:Class``."""
+    """The class at a registered name or ``package.module:Class`` / ``/path/to/file.py:Class``; it must have
+    the :class:`~rollout.environment.Environment` methods ``reset`` and ``step`` (a class named by mistake, or
+    ``subprocess:Popen``, is refused before it is built)."""
     from rollout.rewards import import_attribute
 
     where = ENVIRONMENTS.get(path, path)
@@ -86,6 +88,11 @@ def load_environment_class(path: str) -> type:
     if not isinstance(cls, type):
         module_path, _, attr = where.rpartition(":")
         raise ValueError(f"environment {path!r}: {module_path!r} has no class {attr!r}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment {path!r}: {cls.__qualname__} is not an environment (no "
+                         f"{' or '.join(missing)} method; expected reset(task) and step(state, turn), "
+                         f"docs/environments.md)")
     return cls
 
 

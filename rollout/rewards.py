@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import cast
 
@@ -54,7 +54,20 @@ def get_reward_fn(name: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: {name.rpartition(':')[0]!r} has no callable "
                          f"{name.rpartition(':')[2]!r}")
+    _check_signature(name, fn)
     return cast(RewardFn, fn)  # a user's function: its results are checked at every call (check_results)
+
+
+def _check_signature(name: str, fn: Callable[..., object]) -> None:
+    """A reward function is a Python function (or an object with a Python ``__call__``) that takes the batch as
+    its one positional argument: a class (``subprocess:Popen``) or a builtin (``os:system``) is refused."""
+    expected = "expected a function taking one argument, the list of RewardInput"
+    if isinstance(fn, type) or inspect.isbuiltin(fn) or inspect.ismethoddescriptor(fn):
+        raise ValueError(f"reward function {name!r}: a {type(fn).__name__}, not a Python function; {expected}")
+    try:
+        inspect.signature(fn).bind(None)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward function {name!r}: its signature does not take one argument; {expected}") from None
 
 
 def import_attribute(name: str, what: str) -> object:
