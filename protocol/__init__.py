@@ -15,6 +15,7 @@ from protocol.codec import (
 from protocol.errors import ProtocolError
 from protocol.loss_mask import masked_fill
 from protocol.messages import (
+    FAILURE_KINDS,
     FINISH_REASONS,
     ControlMessage,
     Message,
@@ -28,7 +29,7 @@ from protocol.messages import (
 from protocol.weights import checksum_of, pack_buckets, unpack_buckets
 
 __all__ = [
-    "ControlMessage", "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "Message", "PromptRequest",
+    "ControlMessage", "DEFAULT_MAX_MESSAGE_BYTES", "FAILURE_KINDS", "FINISH_REASONS", "Message", "PromptRequest",
     "ProtocolError", "SCHEMA_VERSION", "TensorSpec", "Trajectory", "TrajectoryGroup",
     "WeightBucket", "WeightManifest", "checksum_of", "decode", "encode", "masked_fill", "pack_buckets",
     "unpack_buckets",

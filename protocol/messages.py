@@ -25,6 +25,10 @@ from protocol.loss_mask import read_turn_fields
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Why a sample ended: end-of-sequence/stop string, token limit, aborted
 (deadline or shutdown), or failed (generation or reward error)."""
+FAILURE_KINDS = ("generation", "environment", "reward", "length")
+"""What failed a sample (``Trajectory.failure_kind``): sampling (retries exhausted, an engine error), the
+environment (a failed reset or step, differing openings, messages that do not render), the reward function, or
+room (no room for the prompt, an episode cut with no ``truncated_reward``)."""
 
 MAX_GROUP_SIZE = 4096
 MAX_TOKENS = 1 << 22
@@ -56,8 +60,9 @@ class Trajectory:
     sampled turn (default ``[finish_reason]``); ``finish_reason`` is the whole sample's.
 
     A sample that failed (generation error, reward error) has
-    ``finish_reason == "error"``, ``reward is None`` and ``error`` set; it is
-    never given reward 0.
+    ``finish_reason == "error"``, ``reward is None``, ``error`` set (the reason) and
+    ``failure_kind`` (one of :data:`FAILURE_KINDS`; on the wire only when set, optional
+    key); it is never given reward 0.
 
     ``reward_components`` holds each reward function's value for this sample
     when the reward is a weighted sum of several (``env.<name>.reward_functions``);
@@ -74,6 +79,7 @@ class Trajectory:
     reward_components: dict[str, float] = field(default_factory=dict)
     loss_mask: np.ndarray = field(default_factory=lambda: _ALL_SAMPLED)
     turn_finish_reasons: list[str] = field(default_factory=list)
+    failure_kind: str = ""
 
     def __post_init__(self):
         self.response_ids = _i32(self.response_ids)
@@ -107,6 +113,8 @@ class Trajectory:
              "error": self.error}
         if self.reward_components:
             d["reward_components"] = {str(k): float(v) for k, v in self.reward_components.items()}
+        if self.failure_kind:
+            d["failure_kind"] = self.failure_kind
         return d
 
     @classmethod
@@ -139,7 +147,11 @@ class Trajectory:
         if components and reason == "error":
             raise ProtocolError(f"{path}.reward_components", "empty for a failed sample", sorted(components))
         mask, turns = read_turn_fields(d, path, schema, reason, lps, vers, FINISH_REASONS)
-        return cls(ids, lps, vers, reward, reason, error, components, mask, turns)
+        kind = F.as_str(d.get("failure_kind", ""), f"{path}.failure_kind")
+        if kind and (kind not in FAILURE_KINDS or reason != "error"):
+            raise ProtocolError(f"{path}.failure_kind", f"one of {FAILURE_KINDS}, for a failed sample only",
+                                f"{kind!r} (finish_reason {reason!r})")
+        return cls(ids, lps, vers, reward, reason, error, components, mask, turns, kind)
 
 
 MAX_REWARD_COMPONENTS = 64

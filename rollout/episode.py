@@ -30,12 +30,16 @@ if TYPE_CHECKING:
     from rollout.sampling import GroupSampler
 
 T = TypeVar("T")
+ENV = "environment"
+"""The failure kind of a failed reset or step, differing openings, or messages that do not render (a reward
+function that fails inside the environment's step is the environment's failure; the reason says ``reward``)."""
 
 
-def failed_trajectory(reason: str) -> Trajectory:
-    """A failed sample: no tokens, no reward, ``finish_reason="error"`` and its ``reason``."""
+def failed_trajectory(reason: str, kind: str) -> Trajectory:
+    """A failed sample: no tokens, no reward, ``finish_reason="error"``, its ``reason`` and what failed it
+    (``kind``, one of :data:`protocol.FAILURE_KINDS`)."""
     empty = np.zeros(0, np.int32)
-    return Trajectory(empty, np.zeros(0, np.float32), empty, None, "error", reason)
+    return Trajectory(empty, np.zeros(0, np.float32), empty, None, "error", reason, failure_kind=kind)
 
 
 @dataclass
@@ -102,12 +106,12 @@ async def play_group(sampler: GroupSampler, env: BoundedEnvironment, request: Pr
 
     async def one(i: int, got: tuple[Any, list[Message]] | EnvStep) -> _Outcome:
         if isinstance(got, EnvStep):
-            return _Outcome(failed_trajectory(got.failure or "environment: reset failed"), by_environment=True)
+            return _Outcome(failed_trajectory(got.failure or "environment: reset failed", ENV), by_environment=True)
         if got[1] != opening:
             return _Outcome(failed_trajectory(f"a group shares its prompt; reset gave sample {i} a different "
-                                              f"opening than sample {first}"), by_environment=True)
+                                              f"opening than sample {first}", ENV), by_environment=True)
         if opening_error is not None:
-            return _Outcome(failed_trajectory(opening_error))
+            return _Outcome(failed_trajectory(opening_error, ENV))
         return await _play(sampler, chat, env, request, prompt, i, got[0], temperature)
 
     outcomes = await asyncio.gather(*(one(i, got) for i, got in enumerate(resets)))
@@ -134,17 +138,17 @@ async def _play(sampler: GroupSampler, chat: ChatTurns, env: BoundedEnvironment,
     for turn in range(1, max_turns + 1):
         budget = min(max_new, max_len - len(prompt) - len(episode.ids))
         if budget < 1:  # only before the first turn: an environment turn is appended only with room after it
-            return _Outcome(failed_trajectory(sampler.no_room(len(prompt))))
+            return _Outcome(failed_trajectory(sampler.no_room(len(prompt)), "length"))
         got = await sampler.sample_turn(prompt + episode.ids, budget, request.prompt_id, index, turn, temperature)
         if isinstance(got, Exception):
-            return _Outcome(failed_trajectory(f"turn {turn}: {got}"), by_generation=True)
+            return _Outcome(failed_trajectory(f"turn {turn}: {got}", "generation"), by_generation=True)
         episode.add_turn(got.token_ids, got.logprobs, got.versions, got.finish_reason)
         stats.turns += 1
         stats.tokens_generated += len(got.token_ids)
         final = turn == max_turns or budget < max_new
         step = await _timed(sampler, env.step(state, Turn(got.text, tuple(got.token_ids), final=final)))
         if step.failure is not None:
-            return _Outcome(failed_trajectory(step.failure), by_environment=True)
+            return _Outcome(failed_trajectory(step.failure, ENV), by_environment=True)
         if step.done:
             assert step.reward is not None  # EnvStep guarantees it for a done step that did not fail
             return _Outcome(episode.trajectory(step.reward, got.finish_reason, step.components))
@@ -154,7 +158,7 @@ async def _play(sampler: GroupSampler, chat: ChatTurns, env: BoundedEnvironment,
         try:
             env_ids = chat.after_turn(got.token_ids, step.observation)
         except ValueError as exc:
-            return _Outcome(failed_trajectory(str(exc)))
+            return _Outcome(failed_trajectory(str(exc), ENV))
         used = len(prompt) + len(episode.ids)
         if used + len(env_ids) + 1 > max_len:
             cut = (f"the environment was not done after {turn} turns and its next message ({len(env_ids)} tokens "
@@ -165,7 +169,7 @@ async def _play(sampler: GroupSampler, chat: ChatTurns, env: BoundedEnvironment,
     stats.episodes_truncated += 1
     reward = sampler.truncated_reward
     if reward is None:
-        return _Outcome(failed_trajectory(f"episode truncated: {cut} (truncated_reward is None)"))
+        return _Outcome(failed_trajectory(f"episode truncated: {cut} (truncated_reward is None)", "length"))
     return _Outcome(episode.trajectory(float(reward), "length", {}))
 
 

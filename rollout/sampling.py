@@ -40,7 +40,12 @@ REWARD_WORKERS = 4
 
 
 class SampleFailed(Exception):
-    """One sample attempt failed; the message is the reason reported if retries run out."""
+    """One sample attempt failed; the message is the reason reported if retries run out, ``kind`` what failed it
+    (``"generation"``, or ``"length"``: no room for the prompt; :data:`protocol.FAILURE_KINDS`)."""
+
+    def __init__(self, reason: str, kind: str = "generation"):
+        super().__init__(reason)
+        self.kind = kind
 
 
 @dataclass
@@ -159,10 +164,10 @@ class GroupSampler:
         score_of = {i: score for (i, _), score in zip(done, scores, strict=True)}
         for i, result in enumerate(results):
             if isinstance(result, SampleFailed):
-                trajectories.append(failed_trajectory(str(result)))
+                trajectories.append(failed_trajectory(str(result), result.kind))
                 self.stats.samples_failed += 1
             elif isinstance(score := score_of[i], RewardFailure):
-                trajectories.append(failed_trajectory(f"reward: {score.reason}"))
+                trajectories.append(failed_trajectory(f"reward: {score.reason}", "reward"))
                 self.stats.samples_failed += 1
                 self.stats.reward_failures += 1
             else:
@@ -278,7 +283,7 @@ class GroupSampler:
         seed = zlib.crc32(f"{self.generation.vllm_cfg.seed}:{request.prompt_id}:{index}:{attempt}".encode())
         budget = min(self.generation.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         if budget < 1:
-            raise SampleFailed(self.no_room(len(request.prompt_ids)))
+            raise SampleFailed(self.no_room(len(request.prompt_ids)), "length")
         return await self._generate(request.prompt_ids.tolist(), budget, seed, temperature, request.images)
 
     async def _generate(self, token_ids: list[int], budget: int, seed: int,
@@ -329,5 +334,5 @@ class GroupSampler:
             except SampleFailed as exc:
                 self.stats.attempts_failed += 1
                 failure = exc
-        return SampleFailed(f"{failure} (after {self.generation.max_retries + 1} attempts)")
+        return SampleFailed(f"{failure} (after {self.generation.max_retries + 1} attempts)", failure.kind)
 

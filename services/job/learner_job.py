@@ -26,6 +26,7 @@ from services.channel import ChannelTimeout, TrajectoryChannel
 from services.job.batch_stats import batch_stats
 from services.job.buffer import BufferedGroup
 from services.job.checkpoints import Checkpoints, JobState
+from services.job.failures import FailureLog
 from services.job.image_prompts import image_inputs, vision_token_ids
 from services.job.parity import ParityProbe, fixed_sequences
 from services.job.prompt_book import PromptBook, Undelivered
@@ -65,7 +66,9 @@ class LearnerJob:
         self.book = PromptBook(PromptSource.of_task(recipe, model_path), self._submit, g.num_prompts_per_step,
                                g.max_num_steps, g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
                                max_prompts_per_step=g.dynamic_sampling_max_gen_batches * g.num_prompts_per_step
-                               if g.use_dynamic_sampling else None, reward_scaling=g.reward_scaling)
+                               if g.use_dynamic_sampling else None, reward_scaling=g.reward_scaling,
+                               failures=FailureLog(run_dir, recipe.data.env_name or recipe.env.reward_fn,
+                                                   g.num_generations_per_prompt))
         self.image_rules = ImageRules.from_pretrained(model_path) if recipe.data.image_key is not None else None
         self.vision_tokens = vision_token_ids(model_path) if self.image_rules is not None else frozenset()
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
@@ -222,6 +225,8 @@ class LearnerJob:
         for k, v in metrics.items():
             if k == "gen_kl_error":
                 row["train_gen_kl_error"] = v  # pi_gen vs pi_prev over the batch (includes lag-1 drift)
+            elif k == "failed_samples":  # of the trained groups; the row's failed_samples counts all (below)
+                row["failed_samples_trained"] = v
             elif isinstance(v, (int, float)):
                 row[k] = v
         row.update(parity)
@@ -239,6 +244,7 @@ class LearnerJob:
         row["buffer_groups"] = len(self.book.buffer)
         row.update(self.book.source.counts())  # data_epoch, data_dropped_too_long, data_skipped_invalid
         row.update({f"dropped_{k}": v for k, v in self.book.buffer.drops.items()})
+        row.update(self.book.failures.take_counts())  # failed_samples[_<kind>]; reasons in failures.jsonl
         if metrics.get("step_skipped"):
             row["skip_reason"] = self.skips.last_reason
         self.log.write(row)

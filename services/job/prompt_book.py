@@ -29,6 +29,7 @@ from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGro
 from services.job.backoff import ReplacementBackoff
 from services.job.batch_stats import zero_advantage
 from services.job.buffer import BufferedGroup, TrajectoryBuffer
+from services.job.failures import FailureLog
 from services.job.ledger import PromptLedger
 from services.job.prompt_source import DataExhausted, PromptSource
 from services.job.skips import DROP_REASON
@@ -83,16 +84,20 @@ class SamplingStats:
 class PromptBook:
     def __init__(self, source: PromptSource, submit: Callable[[list[PromptRequest]], object], per_step: int,
                  last_step: int, max_age: int, backoff: ReplacementBackoff | None = None,
-                 max_prompts_per_step: int | None = None, reward_scaling: RewardScalingConfig | None = None):
+                 max_prompts_per_step: int | None = None, reward_scaling: RewardScalingConfig | None = None,
+                 failures: FailureLog | None = None):
         """``submit(requests)`` sends prompts to the pool; ``per_step`` groups make a step; no prompt is drawn
         for a step after ``last_step``; groups older than ``max_age`` versions are dropped as stale. With
         ``max_prompts_per_step`` (dynamic sampling on), zero-advantage groups are dropped and replaced while
-        fewer prompts than that have been drawn for their step, judged on rewards after ``reward_scaling``."""
+        fewer prompts than that have been drawn for their step, judged on rewards after ``reward_scaling``.
+        ``failures`` records the failed samples of every accepted group and failed prompt (default: counts
+        only, no file)."""
         self.source, self.submit = source, submit
         self.per_step, self.last_step = per_step, last_step
         self.ledger = PromptLedger()
         self.buffer = TrajectoryBuffer(max_age)
         self.backoff = backoff or ReplacementBackoff()
+        self.failures = failures or FailureLog(None, "", 0)
         self.open_requests: dict[str, PromptRequest] = {}
         """Scheduled prompts with no outcome yet, kept to resubmit them after a resume."""
         self.rejected: dict[str, int] = {}
@@ -162,20 +167,28 @@ class PromptBook:
                 self._reject("unexpected_group")
             elif not self.ledger.is_open(msg.prompt_id) or self.buffer.holds(msg.prompt_id):
                 self._reject("duplicate")  # a re-queued prompt whose first group arrived too
-            elif self._resample(msg):
-                step = self.ledger.scheduled[msg.prompt_id]
-                self.buffer.drops[ZERO_ADVANTAGE] += 1
-                self.zero_advantage_drops[step] += 1
-                self.drop(msg.prompt_id, ZERO_ADVANTAGE, replace_for=step)
             else:
-                self.buffer.add(msg, data)
+                self.failures.group(msg)  # whatever becomes of the group: its failed samples are on record
+                self._accept(msg, data)
         elif isinstance(msg, ControlMessage) and msg.action == "error":
             pid = str(msg.payload.get("prompt_id", ""))
             if self.ledger.is_open(pid) and not self.buffer.holds(pid):
                 step = int(msg.payload.get("scheduled_step", self.ledger.scheduled[pid]))
+                self.failures.prompt(pid, step, str(msg.payload.get("reason", "generation failed")),
+                                     str(msg.payload.get("engine_id", "")))
                 self.drop(pid, "generation_failed", replace_for=step)
         else:
             self._reject("unexpected_kind")
+
+    def _accept(self, group: TrajectoryGroup, data: bytes) -> None:
+        """Buffer an open prompt's group, or drop it for dynamic sampling (zero advantage) and replace it."""
+        if self._resample(group):
+            step = self.ledger.scheduled[group.prompt_id]
+            self.buffer.drops[ZERO_ADVANTAGE] += 1
+            self.zero_advantage_drops[step] += 1
+            self.drop(group.prompt_id, ZERO_ADVANTAGE, replace_for=step)
+        else:
+            self.buffer.add(group, data)
 
     def drop_undelivered(self, records: list[Undelivered]) -> int:
         """Drop (reason ``undelivered``) and replace the open prompts of ``records`` that have no group

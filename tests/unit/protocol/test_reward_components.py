@@ -52,3 +52,19 @@ def test_a_failed_sample_carries_no_components():
     body["trajectories"][0]["reward_components"] = {"math_verify": 0.0}
     with pytest.raises(ProtocolError, match="empty for a failed sample"):
         decode(pack_frame(body), expect=TrajectoryGroup)
+
+
+def test_a_failed_samples_kind_travels_and_is_checked():
+    """``Trajectory.failure_kind`` (issue 33): what failed a sample, an optional key sent only when set."""
+    failed = Trajectory(np.zeros(0), np.zeros(0), np.zeros(0), None, "error", "reset raised KeyError: 'secret'",
+                        failure_kind="environment")
+    back = decode(encode(group(failed, Trajectory([6], [-0.1], [0], 0.0))), expect=TrajectoryGroup)
+    assert [t.failure_kind for t in back.trajectories] == ["environment", ""]
+    body = unpack_frame(encode(group(failed)))
+    body["trajectories"][0].pop("failure_kind")                 # an older sender: decodes, kind unknown ("")
+    assert decode(pack_frame(body), expect=TrajectoryGroup).trajectories[0].failure_kind == ""
+    for kind, traj in (("weather", failed), ("reward", Trajectory([6], [-0.1], [0], 0.0))):
+        body = unpack_frame(encode(group(traj)))
+        body["trajectories"][0]["failure_kind"] = kind
+        with pytest.raises(ProtocolError, match=r"trajectories\[0\]\.failure_kind.*for a failed sample only"):
+            decode(pack_frame(body), expect=TrajectoryGroup)

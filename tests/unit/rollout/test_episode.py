@@ -201,6 +201,7 @@ def test_an_environment_failure_fails_only_its_sample_with_the_reason(tok):
     bad = group.trajectories[1]
     assert (bad.ok, bad.reward, bad.finish_reason) == (False, None, "error")
     assert bad.error == "environment 'Scripted': step raised RuntimeError: judge said 503"
+    assert bad.failure_kind == "environment" and all(t.failure_kind == "" for t in group.valid)
     assert all(t.ok and t.reward == 1.0 for i, t in enumerate(group.trajectories) if i != 1)
     assert (sampler.stats.env_failures, sampler.stats.samples_failed) == (1, 1)
     round_trip(group)
@@ -208,7 +209,7 @@ def test_an_environment_failure_fails_only_its_sample_with_the_reason(tok):
     sampler, _ = make_sampler(tok, env)
     group = asyncio.run(sampler.group(prompt_of(tok), 2))
     assert group.trajectories[0].error == "environment 'Scripted': reset raised RuntimeError: no sandbox"
-    assert group.trajectories[1].ok
+    assert group.trajectories[0].failure_kind == "environment" and group.trajectories[1].ok
 
 
 def test_a_turn_that_cannot_be_sampled_fails_the_sample_after_its_retries(tok):
@@ -217,6 +218,7 @@ def test_a_turn_that_cannot_be_sampled_fails_the_sample_after_its_retries(tok):
     sampler, _ = make_sampler(tok, Scripted(n_more=1), max_turns=2, fake=fake)
     [t] = asyncio.run(sampler.group(prompt_of(tok), 1)).trajectories
     assert not t.ok and t.error == "turn 2: generation failed: boom (after 2 attempts)"
+    assert t.failure_kind == "generation"
     assert sampler.stats.retries == 1 and sampler.stats.env_failures == 0
 
 
