@@ -1,21 +1,39 @@
 """A named reward environment (``env.<name>``): several reward functions with weights, run in worker processes.
 
 A sample's reward is ``sum(weight_i * value_i)`` and each function's value travels with it
-(``Trajectory.reward_components``). Every (sample, function) pair is one task in :class:`RewardWorkers`, with
-its own deadline; a sample for which any function fails (raises, times out, returns a non-number) fails with
-that function's reason -- never 0. :func:`score_samples` scores a batch with either a plain reward function
-(the legacy ``env.reward_fn``: one deadline for the group, run on a thread) or an environment.
+(``Trajectory.reward_components``, keyed by the function's metric name, :func:`reward_labels`). Every
+(sample, function) pair is one task in :class:`RewardWorkers`, with its own deadline; a sample for which any
+function fails (raises, times out, returns a non-number) fails with that function's reason -- never 0.
+:func:`score_samples` scores a batch with either a plain reward function (the legacy ``env.reward_fn``: one
+deadline for the group, run on a thread) or an environment.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from rollout.reward_types import RewardFailure, RewardFn, RewardInput, RewardResult, Scored
 from rollout.reward_workers import RewardWorkers
+
+
+def reward_labels(names: Sequence[str]) -> dict[str, str]:
+    """The metric name of each reward function reference (``reward_<label>_mean``, the Prometheus label): a
+    registered name as it is, ``module:function`` / ``/path/file.py:function`` as ``function``, characters other
+    than letters, digits and ``_`` replaced by ``_``; a label already taken gets ``_2``, ``_3``... in order. The
+    full reference stays in the recipe (``RUN_DIR/recipe.yaml``)."""
+    out: dict[str, str] = {}
+    for name in names:
+        base = re.sub(r"\W", "_", name.rpartition(":")[2], flags=re.ASCII) or "fn"
+        label, n = base, 1
+        while label in out.values():
+            n += 1
+            label = f"{base}_{n}"
+        out[name] = label
+    return out
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,8 @@ class RewardEnv:
             raise ValueError(f"env.{name or '<name>'}.timeout_s: expected > 0, got {timeout_s}")
         self.name = name
         self.functions = tuple(functions)
+        self.labels = reward_labels(names)
+        """Each function's metric name (:func:`reward_labels`), the key of its value in ``components``."""
         self.timeout_s = timeout_s
         self.workers = RewardWorkers(names, num_workers, label=name)
 
@@ -64,8 +84,9 @@ class RewardEnv:
         for v in values:
             if isinstance(v, RewardFailure):
                 return v
-        components = {f.name: float(v) for f, v in zip(self.functions, values, strict=True)}  # pyright: ignore[reportArgumentType]
-        return Scored(math.fsum(f.weight * components[f.name] for f in self.functions), components)
+        got = [float(v) for v in values]  # pyright: ignore[reportArgumentType]
+        components = {self.labels[f.name]: v for f, v in zip(self.functions, got, strict=True)}
+        return Scored(math.fsum(f.weight * v for f, v in zip(self.functions, got, strict=True)), components)
 
     async def __call__(self, batch: list[RewardInput]) -> list[RewardResult]:
         return [s if isinstance(s, RewardFailure) else s.reward for s in await self.score(batch)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.reward_env import RewardEnv, WeightedReward, score_samples
+from rollout.reward_env import RewardEnv, WeightedReward, reward_labels, score_samples
 from rollout.rewards import RewardFailure, RewardInput, Scored
 
 USER_FNS = '''
@@ -69,7 +69,7 @@ def test_a_hung_function_is_killed_at_its_timeout_and_the_pool_keeps_working(use
         env.close()
     assert hung == [RewardFailure(f"reward function {user_file}:hang timed out after 1s")]
     assert took < 10
-    assert after == [Scored(1.0, {f"{user_file}:half": 0.5})]
+    assert after == [Scored(1.0, {"half": 0.5})]  # the metric name is the function's, not its path
     assert env.workers.timeouts == 1
 
 
@@ -97,3 +97,22 @@ def test_bad_environments_are_clear_errors():
 def test_a_plain_function_keeps_the_legacy_group_path():
     got = run(score_samples(lambda batch: [0.25] * len(batch), [inp("a"), inp("b")], 1.0))
     assert got == [Scored(0.25), Scored(0.25)] and got[0].components == {}
+
+
+def test_metric_names_of_references_are_the_function_names_made_unique(tmp_path: Path):
+    """Issue 33.6: a file-path reward's step-row key was ``reward_/path/to/check_reward.py:check_meta_mean``."""
+    names = ["math_verify", "/data/a/check_reward.py:check-meta", "/data/b/check_reward.py:check-meta",
+             "pkg.mod:math_verify", "pkg.mod:check_meta"]
+    assert reward_labels(names) == {"math_verify": "math_verify", "/data/a/check_reward.py:check-meta": "check_meta",
+                                    "/data/b/check_reward.py:check-meta": "check_meta_2",
+                                    "pkg.mod:math_verify": "math_verify_2", "pkg.mod:check_meta": "check_meta_3"}
+    a, b = tmp_path / "a" / "r.py", tmp_path / "b" / "r.py"
+    for f, value in ((a, 0.25), (b, 0.5)):
+        f.parent.mkdir()
+        f.write_text(f"def check(batch):\n    return [{value}] * len(batch)\n")
+    env = RewardEnv([WeightedReward(f"{a}:check", 1.0), WeightedReward(f"{b}:check", 2.0)], 1, 20.0, "two")
+    try:
+        got = run(env.score([inp("x")]))
+    finally:
+        env.close()
+    assert got == [Scored(1.25, {"check": 0.25, "check_2": 0.5})]
