@@ -10,7 +10,7 @@
     inflight learner status|logs|stop [--pool NAME] [--json] [--follow] [--timeout-s S]
     inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
     inflight env serve ENV [--host H] [--port 8300] [--kwargs JSON]   (an environment class over HTTP)
-    inflight export --run-dir DIR [--step N] --out HF_DIR [--recipe PATH] [key=value ...]
+    inflight export --run-dir DIR [--step N] --out HF_DIR [--overwrite] [--recipe PATH] [key=value ...]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral|qwen2_5_vl]
                                  [--tie-word-embeddings] [--size tiny|small|0.6b]
 
@@ -256,7 +256,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from services.export import ExportError, export
 
     try:
-        export(args.run_dir, args.out, args.step, args.recipe, list(args.overrides))
+        export(args.run_dir, args.out, args.step, args.recipe, list(args.overrides), overwrite=args.overwrite)
     except ExportError as err:
         raise UserError(str(err)) from None
     return 0
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run-dir", required=True, help="the run directory (holds recipe.yaml and the checkpoints)")
     e.add_argument("--step", type=int, default=None, help="checkpoint step_N (default: the latest)")
     e.add_argument("--out", required=True, help="where the Hugging Face directory goes")
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it is not empty (an old export)")
     e.add_argument("--recipe", default=None, help="the recipe the run used (default: RUN_DIR/recipe.yaml)")
     e.add_argument("overrides", nargs="*", help="dotted overrides applied to that recipe (with --recipe: the run's)")
     e.set_defaults(func=_cmd_export)

@@ -90,3 +90,57 @@ def test_cli_export_names_the_available_steps(trained_run, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["export", "--run-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "hf")]) == 2
     assert "recipe.yaml" in capsys.readouterr().err
+
+
+class Payload:
+    """Runs its code when unpickled: ``exec`` touches the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def copied_run(trained_run, tmp_path):
+    import shutil
+
+    run_dir, ckpt = trained_run[0], trained_run[1]
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy, copy / ckpt.relative_to(run_dir)
+
+
+def test_export_refuses_a_pickled_payload_in_a_rank_file_without_running_it(trained_run, tmp_path):
+    """Issue 32.4: a ``rank_00000.pt`` replaced by a pickle with a ``__reduce__`` payload is refused, in one line
+    naming the file, and the payload does not run (before: ``torch.load(weights_only=False)`` ran it)."""
+    import torch
+
+    from services.export import ExportError, export
+
+    run_dir, ckpt = copied_run(trained_run, tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"model": Payload(marker)}, ckpt / "rank_00000.pt")
+    with pytest.raises(ExportError) as err:
+        export(run_dir, tmp_path / "hf", progress=lambda line: None)
+    assert not marker.exists()
+    line = str(err.value)
+    assert "\n" not in line and str(ckpt / "rank_00000.pt") in line and "pickled reference to exec" in line, line
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.*"))  # nothing half-written is left
+
+
+def test_export_with_a_recipe_edited_to_another_model_is_one_line_naming_the_mismatch(trained_run, family_models,
+                                                                                      tmp_path):
+    """Issue 32.6: ``recipe.yaml`` edited to another architecture (Qwen3 for a Qwen2 run)."""
+    from services.export import ExportError, export
+
+    run_dir, ckpt = copied_run(trained_run, tmp_path)
+    recipe = run_dir / "recipe.yaml"
+    original = trained_run[0].joinpath("recipe.yaml").read_text()
+    model_line = next(line for line in original.splitlines() if line.strip().startswith("model_name:"))
+    recipe.write_text(original.replace(model_line, model_line.split(":")[0] + f": {family_models('qwen3')}"))
+    with pytest.raises(ExportError) as err:
+        export(run_dir, tmp_path / "hf", progress=lambda line: None)
+    line = str(err.value)
+    assert "\n" not in line and str(ckpt) in line and "another model" in line, line
+    assert "in the checkpoint" in line or "missing (first: " in line, line
