@@ -4,7 +4,9 @@ Arrow: only the rows drawn are turned into Python objects), and the mapping of o
 A path is a JSONL (``.jsonl``/``.json``), Parquet or CSV file, a glob of such files (one format), a directory
 written by ``datasets.Dataset.save_to_disk``, or a Hugging Face Hub dataset ``hf://<owner>/<name>`` (one split,
 ``datasets.load_dataset`` at run time; without the Hub or a cached copy it fails, naming the dataset). Row ``i`` of
-:class:`Rows` is row ``i`` of the files in sorted order; errors name the file and the row within it (0-based).
+:class:`Rows` is row ``i`` of the files in sorted order; errors name the file and the row within it (0-based),
+and for JSONL the line (a line that is not UTF-8 or not JSON, a glob whose files give a column different types:
+services/job/data_errors.py).
 :func:`split_rows` holds out a seeded share of the rows (``data.split_validation_size``): both parts keep the
 file's row numbers.
 
@@ -33,6 +35,7 @@ import numpy as np
 
 from protocol.fields import MAX_STRING_CHARS
 from services.config_data import HUB_PREFIX, DataConfig, hub_id
+from services.job.data_errors import bad_json_line, line_of_row, type_mismatch, undecodable_column
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> ``datasets`` builder."""
@@ -75,7 +78,16 @@ class Rows:
         return int(i) if self.indices is None else int(self.indices[i])
 
     def row(self, i: int) -> dict:
-        return self.dataset[self.source_row(i)]
+        """Row ``i`` as a dict; :class:`InvalidRow` naming the column when a value is not valid UTF-8."""
+        j = self.source_row(i)
+        try:
+            return self.dataset[j]
+        except UnicodeDecodeError as e:
+            column = undecodable_column(self.dataset.with_format("arrow")[j]) or "(a column)"
+            k = bisect_right(self.starts, j) - 1
+            line = line_of_row(self.files[k], j - self.starts[k]) if Path(self.files[k]).is_file() else None
+            at = "" if line is None else f", line {line} of {self.files[k]}"
+            raise InvalidRow(column, f"invalid UTF-8 ({e.reason} at byte {e.start + 1} of the value{at})") from e
 
     def where(self, i: int) -> str:
         j = self.source_row(i)
@@ -159,12 +171,29 @@ def load_rows(path: str, key: str = "data.train_data_path", cache_dir: str | Non
     builder = builders.pop()
     parts, starts, n = [], [], 0
     for f in files:
-        part = datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir)
+        try:
+            part = datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - datasets names neither file nor line: find them, say them
+            raise DataError(_unreadable(key, f, builder, e)) from e
         parts.append(part)
         starts.append(n)
         n += len(part)
-    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    try:
+        ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    except ValueError as e:  # "The features can't be aligned": name the file, column and row
+        where = type_mismatch(files, parts) or str(e)
+        raise DataError(f"{key} {path!r}: {where}; every file of a glob must give a column one type (write the "
+                        f"values of one type, e.g. quote the numbers)") from e
     return Rows(path, ds, files, starts)
+
+
+def _unreadable(key: str, path: str, builder: str, e: Exception) -> str:
+    """The error of a file ``datasets`` cannot read: the bad line of a JSON file, else the reader's reason."""
+    where = bad_json_line(path) if builder == "json" else None
+    cause = e.__cause__ or e
+    why = where or f"{type(cause).__name__}: {str(cause)[:500]}"
+    expected = "one JSON object per line, UTF-8" if builder == "json" else f"a readable {builder} file"
+    return f"{key}: {path}: {why} (expected {expected})"
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,17 @@ def _read(path: str, key: str) -> str:
     return text
 
 
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for: the longest string in the tokenizer's vocabulary (a byte-level
+    token's string has one character per byte, so it is never shorter than the text it decodes to); None for a
+    tokenizer without ``get_vocab``. A prompt of more than ``n * max_token_chars`` characters has more than ``n``
+    tokens, known without tokenizing it."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    return max((len(t) for t in get_vocab()), default=None)
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     """Turns a prompt text or chat turns into token ids with the model's chat template."""
