@@ -28,8 +28,8 @@ def data(tmp_path):
     return tmp_path / "data"
 
 
-def _fails(ref, kind, base_dir=None, limits=ImageLimits()) -> str:
-    out = prepare_image(ref, RULES, limits, base_dir)
+def _fails(ref, kind, base_dir=None, limits: ImageLimits | None = None) -> str:
+    out = prepare_image(ref, RULES, limits or ImageLimits(), base_dir)
     assert isinstance(out, ImageFailure) and out.kind == kind, out
     return out.reason
 
@@ -109,3 +109,16 @@ def test_a_decoders_own_exception_is_the_images_failure(monkeypatch):
     monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", broken)
     reason = _fails(encoded(noise(40, 40)), "corrupt")
     assert "RuntimeError: decoder bug" in reason
+
+
+def test_data_image_roots_reach_the_pool_as_real_paths(data, tmp_path):
+    from services.config_data import DataConfig
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "preprocessor_config.json").write_text('{"image_processor_type": "Qwen2VLImageProcessor"}')
+    os.symlink(data.parent, tmp_path / "link")
+    pool = DataConfig(image_key="image", image_roots=[str(tmp_path / "link")]).image_pool(str(tmp_path / "model"))
+    assert pool.limits.roots == (str(data.parent.resolve()),)
+    with pytest.raises(ValueError, match=r"data.image_roots\[1\] '.*nowhere': not a directory"):
+        DataConfig(image_key="image", image_roots=[str(data), str(tmp_path / "nowhere")]).image_pool(
+            str(tmp_path / "model"))
