@@ -8,6 +8,8 @@ and grouped-query attention, so they share one Megatron layer spec. ``qwen2_5_vl
 Qwen2 language model with multimodal RoPE (``mrope_section``) and a vision tower (:class:`VisionSpec`),
 read from either layout: the published one (text fields at the top, ``rope_scaling: {type: mrope}``)
 and the one transformers ≥ 5 writes (``text_config``, ``rope_parameters.mrope_section``).
+``nemotron_h`` (Nemotron-H: Mamba2 / attention / MLP / MoE layers by a pattern) is read by
+:mod:`learner.nemotron_h_config` into :attr:`HFArchitecture.hybrid`.
 
 Anything the learner would compute differently from transformers and vLLM — another activation,
 RoPE type, a sliding window, o_proj/MLP biases, partial rotary — is refused with a ``ValueError``
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "qwen2_5_vl")
+from learner.nemotron_h_config import HybridSpec, parse_nemotron_h
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "qwen2_5_vl", "nemotron_h")
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -98,6 +102,8 @@ class HFArchitecture:
     """Rotary channel pairs for the temporal, height and width positions (multimodal RoPE), or None."""
     vision: VisionSpec | None = None
     """The vision tower of a vision-language model, or None (a text-only model)."""
+    hybrid: HybridSpec | None = None
+    """Nemotron-H's layer pattern and Mamba2/MoE fields, or None (every layer attention + MLP)."""
 
     @property
     def is_moe(self) -> bool:
@@ -111,6 +117,8 @@ class HFArchitecture:
 
     def describe(self) -> str:
         """One line: family, sizes and the features that differ between families."""
+        if self.hybrid is not None:
+            return self._describe_hybrid(self.hybrid)
         parts = [f"{self.num_layers} layers", f"hidden {self.hidden_size}",
                  f"{self.num_attention_heads} heads / {self.num_key_value_heads} KV × head_dim {self.head_dim}"]
         if self.is_moe:
@@ -129,6 +137,18 @@ class HFArchitecture:
             parts.append(f"vision tower {v.depth} blocks × {v.hidden_size}, patch {v.patch_size}, "
                          f"merge {v.spatial_merge_size}")
         return f"{self.model_type}: " + ", ".join(parts + [rope])
+
+
+    def _describe_hybrid(self, h: HybridSpec) -> str:
+        parts = [f"{self.num_layers} layers", f"hidden {self.hidden_size}", h.describe()]
+        if h.count("*"):
+            parts.append(f"attention {self.num_attention_heads} heads / {self.num_key_value_heads} KV × head_dim "
+                         f"{self.head_dim}, no RoPE")
+        if self.is_moe:
+            parts.append(f"{self.num_experts} experts top-{self.moe_top_k} (sigmoid, expert bias, "
+                         f"×{h.routed_scaling_factor:g}) + shared {h.shared_expert_intermediate_size}")
+        parts.append("tied embeddings" if self.tie_word_embeddings else "untied embeddings")
+        return f"{self.model_type}: " + ", ".join(parts)
 
 
 def _refuse(field: str, value: Any, supported: str) -> ValueError:
@@ -200,6 +220,8 @@ def _moe_fields(cfg: dict) -> dict:
 def parse_hf_config(cfg: dict) -> HFArchitecture:
     """An :class:`HFArchitecture` from a parsed ``config.json``; ``ValueError`` naming the field otherwise."""
     try:
+        if cfg.get("model_type") == "nemotron_h":
+            return _parse_nemotron_h(cfg)
         return _parse_vision_language(cfg) if cfg.get("model_type") in VISION_LANGUAGE_TYPES else _parse(cfg)
     except KeyError as err:
         raise ValueError(f"config.json: required field {err} is missing") from None
@@ -276,6 +298,24 @@ def _parse(cfg: dict) -> HFArchitecture:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
         qk_norm=mtype in QK_NORM_TYPES, rope_scaling=rope_scaling,
         **(_moe_fields(cfg) if mtype == "qwen3_moe" else {}))
+
+
+def _parse_nemotron_h(cfg: dict) -> HFArchitecture:
+    """Nemotron-H: hybrid Mamba2 / attention (no RoPE) / squared-ReLU MLP / MoE layers (learner.nemotron_h_config)."""
+    spec, moe = parse_nemotron_h(cfg)
+    heads = int(cfg.get("num_attention_heads", 32))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise _refuse("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+    return HFArchitecture(
+        model_type="nemotron_h", vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        num_layers=len(spec.pattern), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        intermediate_size=int(cfg["intermediate_size"]) if "-" in spec.pattern else 0,
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), rope_theta=0.0,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False,
+        hybrid=spec, **moe)
 
 
 def read_hf_architecture(model_path: str | os.PathLike) -> HFArchitecture:

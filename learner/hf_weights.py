@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from learner.hf_config import HFArchitecture
+from learner.hybrid_weights import hybrid_shard_from_hf, hybrid_tensors_from_shards, weight_tensors
 from protocol.messages import WeightBucket, WeightManifest
 from protocol.weights import pack_buckets
 
@@ -159,6 +160,8 @@ def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str]
 def megatron_shard_from_hf(name: str, arch: HFArchitecture, hf: Callable[[str], torch.Tensor],
                            lay: ParallelLayout) -> torch.Tensor:
     """The value of Megatron parameter ``name`` on the rank described by ``lay``."""
+    if arch.hybrid is not None:  # Nemotron-H (learner.hybrid_weights)
+        return hybrid_shard_from_hf(name, arch, hf, lay.tp_size, lay.tp_rank, lay.ep_rank, lay.ep_size)
     if name.startswith(_VISUAL):
         return hf(name)
     if name == "embedding.word_embeddings.weight":
@@ -185,7 +188,7 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
     if arch.tie_word_embeddings:
         _check_tied_output(ckpt)
     lay = ParallelLayout.current()
-    for name, param in model.named_parameters():
+    for name, param in weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
         value = megatron_shard_from_hf(name, arch, ckpt.get, lay)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"{name}: HF tensors give shape {tuple(value.shape)}, "
@@ -243,6 +246,8 @@ def hf_tensors_from_shards(name: str, arch: HFArchitecture, shards: list[torch.T
 
     For an expert parameter ``shards`` is the single whole tensor and
     ``expert`` its global index."""
+    if arch.hybrid is not None:  # Nemotron-H (learner.hybrid_weights)
+        return hybrid_tensors_from_shards(name, arch, shards, expert)
     if name.startswith(_VISUAL):
         return [(name, shards[0])]
     if name == "embedding.word_embeddings.weight":
@@ -302,7 +307,7 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
     tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
     is_root = dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
         em = _LAYER.match(name)
         local_expert = _EXPERT.match(em.group(2)) if em else None
         if local_expert:

@@ -222,6 +222,11 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
         define_missing_te_symbols()
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if arch.hybrid is not None:  # Nemotron-H: Mamba2 / attention / MLP / MoE layers (learner.hybrid_model)
+        from learner.hybrid_model import build_hybrid_model
+        core = spec.submodules.self_attention.submodules.core_attention  # pyright: ignore[reportAttributeAccessIssue]
+        # a MambaModel, not a GPTModel: the learner uses only what both have (forward, output_layer, parameters)
+        return build_hybrid_model(arch, megatron, core)  # pyright: ignore[reportReturnType]
     scaling = arch.rope_scaling
     cls: type[GPTModel] = GPTModel
     vision: dict[str, Any] = {}  # VisionLanguageGPT's own arguments
