@@ -138,7 +138,9 @@ class CopyPlan:
                 yield name, torch.full(t.shape, MARKER_BASE[size] + i, dtype=_INT_VIEWS[size],
                                        device=t.device).view(t.dtype)
 
+        before = fingerprint(model, ignore)
         _plain_load(model, markers())
+        changed = set(fingerprint(model, ignore).differences(before))
         tensors = model_tensors(model, ignore)
         landed: dict[int, list[tuple[str, int, int]]] = {}
         seen = set()
@@ -151,6 +153,14 @@ class CopyPlan:
             for i, start, count in _marker_runs(t.detach().view(-1).view(_INT_VIEWS[size]), MARKER_BASE[size],
                                                 len(pushed)):
                 landed.setdefault(i, []).append((tname, start, count))
+        # A tensor load_weights changed that shares no storage with a marker's landing place holds a value the
+        # loader computed (e.g. NemotronH's A = -exp(A_log)), which no copy reproduces.
+        storage = {name: t.untyped_storage().data_ptr() for name, t in tensors.items()}
+        holding = {storage[tname] for runs in landed.values() for tname, _, _ in runs}
+        converted = sorted(n for n in changed if n in storage and storage[n] not in holding)
+        if converted:
+            raise PlanRefused(f"load_weights writes {', '.join(converted[:MAX_NAMED_DIFFERENCES])} without "
+                              f"copying a pushed tensor into it (a composed loader converts the values)")
         steps = []
         for i, (name, t) in enumerate(pushed):
             for tname, start, count in landed.get(i, []):

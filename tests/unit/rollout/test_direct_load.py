@@ -234,3 +234,37 @@ def test_checks_leave_out_the_kv_cache_and_work_chunk_by_chunk(monkeypatch):
     expected = Stacked()
     expected.load_weights(stacked_weights(2)())
     assert torch.equal(model.qkv, expected.qkv) and torch.equal(model.embed, expected.embed)
+
+
+class Composed(torch.nn.Module):
+    """A Mamba mixer as vLLM's NemotronH loads it: the checkpoint's ``A_log`` is stored as ``A = -exp(A_log)``
+    (a composed loader); ``D`` is copied as is."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.D = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "A_log":
+                self.A.data.copy_(-torch.exp(w.float()))
+            else:
+                self.D.data.copy_(w)
+
+
+def mamba_weights(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pushed = [("A_log", torch.randn(4, generator=g)), ("D", torch.randn(4, generator=g))]
+    return lambda: iter(pushed)
+
+
+def test_copy_plan_is_refused_for_a_composed_loader_and_plain_load_keeps_converting():
+    with pytest.raises(PlanRefused, match="load_weights writes A without copying a pushed tensor into it"):
+        CopyPlan.discover(Composed(), list(mamba_weights(1)()))
+    model, direct = Composed(), DirectLoad()
+    assert direct.install(model, mamba_weights(1), model.load_weights) == "checked"
+    assert direct.proven is True and direct.plan is None
+    assert "composed loader" in direct.plan_refused_reason
+    assert direct.install(model, mamba_weights(2), model.load_weights) == "direct"
+    torch.testing.assert_close(model.A, -torch.exp(dict(mamba_weights(2)())["A_log"]))

@@ -97,3 +97,25 @@ def test_probe_reads_the_installed_vllm():
     assert "flashinfer_cutlass" in caps.moe_backends and "flashinfer_nvlink_one_sided" in caps.all2all_backends
     assert CUDA_GRAPH_MODE in caps.cudagraph_modes
     build_engine_options(GPU_RECIPE, "/m", 512, dataclasses.replace(caps, platform="cuda"))
+
+
+def hybrid_dir(tmp_path, model_type: str = "nemotron_h"):
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}", "hybrid_override_pattern": "M*"}}')
+    return str(tmp_path)
+
+
+def test_hybrid_models_get_a_float32_ssm_cache_and_no_prefix_caching_on_cpu(tmp_path):
+    caps = {name: dataclasses.replace(c, engine_arg_names=c.engine_arg_names | {"mamba_ssm_cache_dtype"})
+            for name, c in (("gpu", GPU), ("cpu", CPU))}
+    model = hybrid_dir(tmp_path)
+    cpu = build_engine_options(VllmConfig(), model, 512, caps["cpu"])
+    assert cpu.engine_args["enable_prefix_caching"] is False and cpu.engine_args["mamba_ssm_cache_dtype"] == "float32"
+    assert "enable_prefix_caching" not in cpu.applied
+    assert any("enable_prefix_caching=True ignored on cpu: a hybrid Mamba model" in m for m in cpu.describe())
+    gpu = build_engine_options(VllmConfig(), model, 512, caps["gpu"])
+    assert gpu.engine_args["enable_prefix_caching"] is True and gpu.engine_args["mamba_ssm_cache_dtype"] == "float32"
+    (tmp_path / "qwen2").mkdir()
+    (tmp_path / "qwen2" / "config.json").write_text('{"model_type": "qwen2"}')
+    for other in (str(tmp_path / "qwen2"), "/not/a/model"):
+        plain = build_engine_options(VllmConfig(), other, 512, caps["cpu"])
+        assert plain.engine_args["enable_prefix_caching"] is True and "mamba_ssm_cache_dtype" not in plain.engine_args

@@ -83,7 +83,8 @@ def test_every_arch_is_a_tiny_name_and_checks_without_being_built(arch, tmp_path
 @pytest.mark.parametrize("name", ["tiny://gpt2", "tiny://qwen3?size=huge", "tiny://llama3?tie=yes", "tiny://qwen2?seed=x"])
 def test_bad_tiny_names_list_the_choices(name):
     from services.model_source import check_model
-    with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral\|qwen2_5_vl>"):
+    with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral\|"
+                                         r"nemotron_h\|nemotron_h_moe\|qwen2_5_vl>"):
         check_model(name)
 
 
@@ -116,3 +117,28 @@ def test_validate_names_the_family_and_says_a_hub_id_needs_a_local_directory(fam
     assert "policy.model_name: qwen3: 2 layers" in ok.stderr
     hub = _validate("policy.model_name=Qwen/Qwen2.5-1.5B")
     assert hub.returncode == 0 and "needs a local HF checkpoint directory" in hub.stderr
+
+
+@pytest.mark.parametrize("arch,pattern", [("nemotron_h", "M-M*-"), ("nemotron_h_moe", "ME*ME")])
+def test_nemotron_h_is_written_in_the_published_config_form_and_loads(tmp_path, arch, pattern):
+    """``hybrid_override_pattern`` (as NVIDIA publishes Nemotron-H), not the ``layers_block_type`` list
+    ``save_pretrained`` writes; transformers reads it back; init constants (A_log, D, norms, expert bias) moved."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = make_tiny_model(tmp_path / arch, seed=1, arch=arch)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hybrid_override_pattern"] == pattern and cfg["num_hidden_layers"] == len(pattern)
+    assert "layers_block_type" not in cfg and cfg["time_step_limit"] == [0.0, float("inf")]
+    assert cfg["architectures"] == ["NemotronHForCausalLM"] and cfg["mlp_hidden_act"] == "relu2"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.hybrid_override_pattern == pattern
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()
+    weights = load_file(f"{out}/model.safetensors")
+    assert not (weights["backbone.layers.0.mixer.D"] == 1).any()
+    assert ("backbone.layers.1.mixer.gate.e_score_correction_bias" in weights) is ("E" in pattern)
+    if "E" in pattern:
+        assert (weights["backbone.layers.1.mixer.gate.e_score_correction_bias"] != 0).all()
+    with pytest.raises(ValueError, match="tie_word_embeddings: nemotron_h"):
+        make_tiny_model(tmp_path / "tied", arch="nemotron_h", tie_word_embeddings=True)
