@@ -1,4 +1,5 @@
-"""Learner step throughput vs a bare Megatron forward/backward on the same packed batch (CPU or GPU).
+"""Learner step throughput vs a bare Megatron forward/backward on the same packed batch (CPU or GPU), per
+attention backend and packing budget: tokens/s, MFU and peak GPU memory.
 
 Both sides see identical micro-batches: the bare loop runs forward + backward of the summed
 per-token log-probs and an optimizer step on the same DDP-wrapped model, without the GRPO
@@ -8,16 +9,26 @@ throughput `Learner.train_step` keeps. Learner and bare steps alternate (L, B, L
 both see the same load on a shared machine; each side reports its median, and ``ratio_paired``
 is the median over pairs of bare / learner step time.
 
-The same loop also runs the batch as two optimizer steps (``train_global_batch_size`` = half the
-batch; π_prev then comes from an extra no-grad forward of the whole batch): ``two_step_s`` is its
+Unless ``--no-two-step``, the same loop also runs the batch as two optimizer steps (``train_global_batch_size``
+= half the batch; π_prev then comes from an extra no-grad forward of the whole batch): ``two_step_s`` is its
 median step time, ``two_step_ratio`` = two_step_s / learner_step_s, ``prev_logprobs_s`` the median
 time of that extra forward and ``prev_logprobs_share`` its share of the two-step step.
 
-    python bench/learner_step.py [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral] [--groups 8] [--group-size 8] [--steps 5]
+``--shape qwen3-0.6b|qwen3-1.7b|qwen3-4b|qwen3-8b`` builds a random bf16 model of that published shape (its
+vocabulary of 151936 included; on the GPU) instead of a tiny one; ``--mb-tokens`` and ``--backends`` take
+comma lists (every pair runs in this process, one learner each; an out-of-memory is recorded, not fatal);
+``--seq-len`` is the longest sequence (lengths uniform in [seq-len/2, seq-len], at least ``--tokens-per-mb``
+budgets' worth of tokens a step). MFU = 6 · parameters · tokens/s / ``--peak-tflops`` (790: the bf16 rate
+measured on an H200), attention's own FLOPs not counted.
+
+    python bench/learner_step.py [--arch qwen2|...] [--size tiny] [--groups 8] [--group-size 8] [--steps 5]
+    python bench/learner_step.py --shape qwen3-0.6b --mb-tokens 4096,8192,16384,32768 --backends local,flex \
+        --chunk 2048 --no-two-step --steps 3
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -29,43 +40,64 @@ import numpy as np
 
 from services.tiny_model import ARCHS
 
+SHAPES = {  # Qwen3's published dense shapes: hidden, layers, heads, kv heads, intermediate, tied
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072, True), "qwen3-1.7b": (2048, 28, 16, 8, 6144, True),
+    "qwen3-4b": (2560, 36, 32, 8, 9728, True), "qwen3-8b": (4096, 36, 32, 8, 12288, False),
+}
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen2", choices=list(ARCHS))
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--mb-tokens", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "learner_step_cpu.json"))
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 
+def make_shaped_model(out: Path, shape: str) -> Path:
+    """A random bf16 Qwen3 of ``shape`` (head_dim 128, vocab 151936) in ``out``, built on the GPU if any."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hidden, layers, heads, kv, ffn, tied = SHAPES[shape]
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, head_dim=128, intermediate_size=ffn, max_position_embeddings=40960,
+                      rope_theta=1000000.0, tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    del model
+    return out
+
+
+def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
+    """One learner (``backend``, ``mb_tokens``) on a fresh batch: the measured medians (module docstring)."""
     import torch
 
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig, TrainStepConfig
     from learner.logprobs import token_logprobs
     from learner.trainer import Learner
     from protocol.messages import Trajectory, TrajectoryGroup
-    from services.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / args.arch, seed=0, arch=args.arch, size=args.size)
-    megatron = MegatronConfig(precision="float32" if not torch.cuda.is_available() else "bfloat16",
-                              optimizer=OptimizerConfig(lr=1e-5))
-    learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=args.mb_tokens),
-                      max_total_sequence_length=512)
+    cuda = torch.cuda.is_available()
+    seq_len = min(args.seq_len, mb_tokens)
+    megatron = MegatronConfig(precision="bfloat16" if cuda else "float32", optimizer=OptimizerConfig(lr=1e-5),
+                              attention_backend=backend, logprob_chunk_size=args.chunk)
+    learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=mb_tokens),
+                      max_total_sequence_length=seq_len)
     rng = np.random.default_rng(0)
     vocab = learner.arch.vocab_size
+    num_groups = args.groups
+    if args.tokens_per_mb:  # enough sequences for tokens_per_mb budgets
+        num_groups = max(1, int(np.ceil(args.tokens_per_mb * mb_tokens / (0.75 * seq_len * args.group_size))))
+    prompts, responses = [], []
+    for _ in range(num_groups):
+        lo = max(16, seq_len // 2) if args.shape else 32
+        prompt_len = int(rng.integers(16, 64)) if not args.shape else 64
+        prompt = rng.integers(3, vocab, prompt_len).astype(np.int32)
+        hi = seq_len - prompt_len if args.shape else 256
+        for _ in range(args.group_size):
+            prompts.append(prompt)
+            responses.append(rng.integers(3, vocab, int(rng.integers(min(lo, hi), hi + 1))).astype(np.int32))
+    lps = learner.logprobs(prompts, responses)
     groups = []
-    for g in range(args.groups):
-        prompt = rng.integers(3, vocab, int(rng.integers(16, 64))).astype(np.int32)
-        responses = [rng.integers(3, vocab, int(rng.integers(32, 256))).astype(np.int32)
-                     for _ in range(args.group_size)]
-        lps = learner.logprobs([prompt] * args.group_size, responses)
-        trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses, lps, strict=True)]
-        groups.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, args.group_size, vocab))
+    for g in range(num_groups):
+        sl = slice(g * args.group_size, (g + 1) * args.group_size)
+        trajs = [Trajectory(r, lp, np.zeros(r.size), float(rng.random())) for r, lp in zip(responses[sl], lps[sl],
+                                                                                          strict=True)]
+        groups.append(TrajectoryGroup(f"g{g}", f"p{g}", prompts[sl][0], trajs, args.group_size, vocab))
 
     batch = learner._collect(groups)
     micro_batches, _ = learner._pack([s.tokens for s in batch.samples])
@@ -76,15 +108,15 @@ def main() -> None:
         learner.model.zero_grad_buffer()
         learner.optim.zero_grad()
         for mb in micro_batches:
-            token_logprobs(learner.model, mb).sum().backward()
+            token_logprobs(learner.model, mb, learner.logprob_chunk).sum().backward()
         learner.model.finish_grad_sync()
         learner.optim.step()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     one_step = TrainStepConfig()
-    two_steps = TrainStepConfig(train_global_batch_size=args.groups * args.group_size // 2)
+    two_steps = TrainStepConfig(train_global_batch_size=num_groups * args.group_size // 2)
 
     def two_step() -> dict[str, float]:
         learner.step_cfg = two_steps
@@ -93,9 +125,12 @@ def main() -> None:
         finally:
             learner.step_cfg = one_step
 
-    learner.train_step(groups)  # warm-up
+    learner.train_step(groups)  # warm-up (flex compiles here)
     bare_step()
-    two_step()
+    if args.two_step:
+        two_step()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     learner_s, bare_s, two_s, prev_s, fills, tokens = [], [], [], [], [], 0.0
     for _ in range(args.steps):
         m = learner.train_step(groups)
@@ -103,34 +138,79 @@ def main() -> None:
         fills.append(m["fill_ratio"])
         tokens = m["tokens_per_s"] * m["policy_training_s"]
         bare_s.append(bare_step())
-        m2 = two_step()
-        assert m2["optimizer_steps"] == 2, m2
-        two_s.append(m2["policy_training_s"])
-        prev_s.append(m2["prev_logprobs_s"])
+        if args.two_step:
+            m2 = two_step()
+            assert m2["optimizer_steps"] == 2, m2
+            two_s.append(m2["policy_training_s"])
+            prev_s.append(m2["prev_logprobs_s"])
+    params = sum(p.numel() for p in learner.gpt.parameters())
     learner_tps = tokens / float(np.median(learner_s))
     bare_tps = tokens / float(np.median(bare_s))
-    result = {"arch": args.arch, "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
-              "precision": megatron.precision, "tokens_per_step": tokens, "micro_batches": len(micro_batches),
-              "train_mb_tokens": args.mb_tokens, "fill_ratio": float(np.mean(fills)),
+    peak = args.peak_tflops * 1e12
+    result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
+              "precision": megatron.precision, "attention_backend": backend, "logprob_chunk_size": args.chunk,
+              "parameters": params, "max_sequence_length": seq_len, "tokens_per_step": tokens,
+              "micro_batches": len(micro_batches), "train_mb_tokens": mb_tokens, "fill_ratio": float(np.mean(fills)),
               "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
               "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
               "ratio_paired": float(np.median(np.asarray(bare_s) / np.asarray(learner_s))),
-              "two_step_s": float(np.median(two_s)),
-              "two_step_ratio": float(np.median(two_s)) / float(np.median(learner_s)),
-              "prev_logprobs_s": float(np.median(prev_s)),
-              "prev_logprobs_share": float(np.median(np.asarray(prev_s) / np.asarray(two_s))),
-              "steps": args.steps}
-    print(f"{'metric':<24}{'value':>14}")
-    for k in ("tokens_per_step", "micro_batches", "fill_ratio", "learner_step_s", "bare_step_s",
-              "learner_tokens_per_s", "bare_tokens_per_s", "ratio", "ratio_paired", "two_step_s", "two_step_ratio",
-              "prev_logprobs_s", "prev_logprobs_share"):
-        v = result[k]
-        print(f"{k:<24}{v:>14.3f}" if isinstance(v, float) else f"{k:<24}{v:>14}")
+              "mfu_learner": 6 * params * learner_tps / peak, "mfu_bare": 6 * params * bare_tps / peak,
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "steps": args.steps}
+    if args.two_step:
+        result.update({"two_step_s": float(np.median(two_s)),
+                       "two_step_ratio": float(np.median(two_s)) / float(np.median(learner_s)),
+                       "prev_logprobs_s": float(np.median(prev_s)),
+                       "prev_logprobs_share": float(np.median(np.asarray(prev_s) / np.asarray(two_s)))})
+    learner.shutdown()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen2", choices=list(ARCHS))
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--shape", default=None, choices=list(SHAPES))
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--mb-tokens", default="1024", help="comma list of packing budgets")
+    ap.add_argument("--backends", default="auto", help="comma list of policy.megatron_cfg.attention_backend")
+    ap.add_argument("--chunk", type=int, default=None, help="policy.megatron_cfg.logprob_chunk_size")
+    ap.add_argument("--seq-len", type=int, default=8192, help="longest sequence with --shape")
+    ap.add_argument("--tokens-per-mb", type=float, default=0.0, help="batch size in budgets (0: --groups)")
+    ap.add_argument("--no-two-step", dest="two_step", action="store_false")
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "learner_step_cpu.json"))
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+
+    import torch
+
+    from services.tiny_model import make_tiny_model
+
+    where = Path(tempfile.mkdtemp())
+    model_dir = (make_shaped_model(where / args.shape, args.shape) if args.shape else
+                 make_tiny_model(where / args.arch, seed=0, arch=args.arch, size=args.size))
+    results = []
+    for budget in (int(b) for b in args.mb_tokens.split(",")):
+        for backend in args.backends.split(","):
+            t0 = time.perf_counter()
+            try:
+                r = run_one(args, model_dir, backend, budget)
+            except torch.OutOfMemoryError as err:
+                r = {"arch": args.shape or args.arch, "attention_backend": backend, "train_mb_tokens": budget,
+                     "logprob_chunk_size": args.chunk, "oom": str(err).splitlines()[0][:200]}
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            r["wall_s"] = time.perf_counter() - t0
+            results.append(r)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
     print(f"wrote {out}")
-    learner.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,35 +1,115 @@
-"""Per-token log-probabilities of given sequences under a Megatron ``GPTModel``.
+"""Per-token log-probabilities (and entropies) of given sequences under a Megatron ``GPTModel``.
 
-Megatron's ``GPTModel`` called with ``labels`` returns the per-token cross
-entropy computed by ``vocab_parallel_cross_entropy`` (each TP rank holds a
-slice of the vocabulary; the softmax normaliser is all-reduced), so
-``log p(target_t | tokens_≤t) = -model(tokens, pos, mask, labels=targets)``
-without ever gathering the full-vocabulary logits (design.md §6: equal to
-gather + log_softmax to 5e-7).
+The model runs on a packed row with its boundaries (:func:`learner.attention.packed_row`, no mask) and hands
+back its final hidden states (``GPTModel.post_process`` off for that call); the output layer, the log-prob of
+each target and the full-vocabulary entropy then run here, in chunks of ``chunk`` positions
+(:func:`logprob_chunk`: ``policy.megatron_cfg.logprob_chunk_size`` / ``defer_fp32_logits``). Each chunk's
+logits ``[chunk, V_local]`` exist only while it is computed: its backward recomputes them
+(``torch.utils.checkpoint``), so the fp32 logits of a whole row never exist at once. Without a chunk size the
+whole row is one piece, kept for the backward (the memory of the old path). The log-prob is Megatron's
+``vocab_parallel_cross_entropy`` (each TP rank holds a slice of the vocabulary; the softmax normaliser is
+all-reduced: equal to gather + log_softmax to 5e-7, design.md §6); the entropy is computed without a graph.
 
 For a sequence of ``P`` prompt tokens and ``R`` response tokens, the response
 log-probs are the outputs at positions ``P-1 … P+R-2`` of its segment. An
 :class:`~learner.mrope_positions.ImageMicroBatch` also hands its images to the
 model (a :class:`~learner.vision.VisionLanguageGPT`).
-
-:class:`EntropyTap` hooks the model's output layer and, while armed, computes
-the full-vocabulary entropy at every position of that forward (no grad, in row
-chunks, vocab-parallel over TP) without changing the forward's outputs.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
+from learner.attention import packed_row
+from learner.config import MegatronConfig
 from learner.mrope_positions import ImageMicroBatch
 from learner.packing import MicroBatch
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
 
-def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """``[T]`` float32 log-prob of ``mb.targets`` at every position; differentiable."""
+DEFAULT_CHUNK = 2048
+"""Positions per chunk with ``defer_fp32_logits`` and no ``logprob_chunk_size``."""
+
+
+def logprob_chunk(megatron: MegatronConfig) -> int | None:
+    """Positions per log-prob chunk under ``megatron`` (None: the whole row at once)."""
+    if megatron.logprob_chunk_size is not None:
+        return megatron.logprob_chunk_size
+    return DEFAULT_CHUNK if megatron.defer_fp32_logits else None
+
+
+def _language_model(model: torch.nn.Module) -> GPTModel:
+    """The ``GPTModel`` inside ``model``'s wrappers (DDP, ``Float16Module``)."""
+    inner = model
+    while not hasattr(inner, "output_layer"):
+        nxt = getattr(inner, "module", None)
+        if not isinstance(nxt, torch.nn.Module):
+            raise TypeError(f"no GPTModel (a module with an output_layer) inside {type(model).__name__}")
+        inner = nxt
+    return cast("GPTModel", inner)
+
+
+@contextlib.contextmanager
+def _hidden_states(gpt: GPTModel) -> Iterator[None]:
+    """``gpt``'s forward returns its final hidden states ``[s, b, h]`` (no output layer) inside this context."""
+    saved = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+def _scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None,
+            entropy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The ``[T]`` log-probs of :func:`token_scores` and, with ``entropy``, the entropy of each chunk."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    gpt = _language_model(model)
     images = {"images": mb.images} if isinstance(mb, ImageMicroBatch) else {}
-    neg = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.targets, **images)
-    return -neg.reshape(-1).float()
+    with _hidden_states(gpt):
+        hidden = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed_row(mb.blocks, mb.tokens.device),
+                       **images)
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    hidden = hidden.to(gpt.config.params_dtype)  # [T, 1, h] in the output layer's dtype (Float16Module gives fp32)
+    targets = mb.targets.reshape(-1, 1)  # [s, b]
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, _ = gpt.output_layer(h, weight=weight)  # [c, 1, V_local]
+        lp = -vocab_parallel_cross_entropy(logits, t).reshape(-1).float()
+        ent = vocab_parallel_entropy(logits.detach().reshape(-1, logits.shape[-1]), tp_group) if entropy else None
+        return lp, ent
+
+    total = hidden.shape[0]
+    step = total if chunk is None else chunk
+    recompute = chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
+    lps, ents = [], []
+    for start in range(0, total, step):
+        h, t = hidden[start:start + step], targets[start:start + step]
+        lp, ent = checkpoint(piece, h, t, use_reentrant=False) if recompute else piece(h, t)
+        lps.append(lp)
+        ents.append(ent)
+    return (lps[0] if len(lps) == 1 else torch.cat(lps)), [e for e in ents if e is not None]
+
+
+def token_scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T]`` float32 log-prob of ``mb.targets`` at every position (differentiable) and the ``[T]`` float32
+    entropy of the model's next-token distribution there (no grad); ``chunk``: module docstring."""
+    lp, ents = _scores(model, mb, chunk, entropy=True)
+    return lp, torch.cat(ents)
+
+
+def token_logprobs(model: torch.nn.Module, mb: MicroBatch, chunk: int | None = None) -> torch.Tensor:
+    """``[T]`` float32 log-prob of ``mb.targets`` at every position; differentiable (no entropy)."""
+    return _scores(model, mb, chunk, entropy=False)[0]
 
 
 def response_slices(mb: MicroBatch, prompt_lengths: list[int]) -> list[slice]:
@@ -46,12 +126,12 @@ def response_slices(mb: MicroBatch, prompt_lengths: list[int]) -> list[slice]:
 
 
 @torch.no_grad()
-def response_logprobs_no_grad(model: torch.nn.Module, micro_batches: list[MicroBatch],
-                              prompt_lengths: list[int], num_sequences: int) -> list[torch.Tensor]:
+def response_logprobs_no_grad(model: torch.nn.Module, micro_batches: list[MicroBatch], prompt_lengths: list[int],
+                              num_sequences: int, chunk: int | None = None) -> list[torch.Tensor]:
     """Response log-probs of every sequence (by input index) without building a graph."""
     result: list[torch.Tensor | None] = [None] * num_sequences
     for mb in micro_batches:
-        lp = token_logprobs(model, mb)
+        lp = token_logprobs(model, mb, chunk)
         for seg, sl in zip(mb.segments, response_slices(mb, prompt_lengths), strict=True):
             result[seg.index] = lp[sl].detach().cpu()
     missing = [i for i, r in enumerate(result) if r is None]
@@ -83,33 +163,3 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
             dist.all_reduce(stats, group=group)
         out.append(torch.log(stats[0]) - stats[1] / stats[0])
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
-
-
-class EntropyTap:
-    """Forward hook on a GPTModel's ``output_layer``: while :meth:`arm` ed, records the per-position entropy
-    ``[T]`` of the next forward (logits ``[s, b=1, V_local]``); the logits tensor itself is not kept."""
-
-    def __init__(self, gpt: torch.nn.Module, tp_group=None):
-        self.tp_group = tp_group
-        self._armed = False
-        self.entropy: torch.Tensor | None = None
-        layer = gpt.output_layer
-        if not isinstance(layer, torch.nn.Module):
-            raise TypeError(f"EntropyTap: the model's output_layer is a {type(layer).__name__}, not a module")
-        layer.register_forward_hook(self._hook)
-
-    def arm(self) -> None:
-        self._armed, self.entropy = True, None
-
-    def take(self) -> torch.Tensor:
-        """The entropy recorded since :meth:`arm` (disarms)."""
-        ent, self.entropy, self._armed = self.entropy, None, False
-        if ent is None:
-            raise RuntimeError("EntropyTap: no forward through the output layer since arm()")
-        return ent
-
-    def _hook(self, _module, _args, output) -> None:
-        if not self._armed:
-            return
-        logits = output[0] if isinstance(output, tuple) else output
-        self.entropy = vocab_parallel_entropy(logits.detach().reshape(-1, logits.shape[-1]), self.tp_group)

@@ -4,7 +4,8 @@ The HF fields are read into :class:`HFArchitecture` by :mod:`learner.hf_config`
 (the supported families are listed there), turned into a ``TransformerConfig`` that honours
 :class:`~learner.config.MegatronConfig` (TP/EP, recompute, precision; dropout 0
 and every fusion off, so CPU and GPU run the same semantics), and the model is
-built on the current device (local layer spec, no Transformer Engine); Llama-3 RoPE
+built on the current device (local layer spec, no Transformer Engine, core attention from
+:mod:`learner.attention`: packed rows by their boundaries, no mask); Llama-3 RoPE
 scaling takes all four of the config's values (:func:`_set_llama3_frequencies`). A vision-language
 checkpoint gets a :class:`learner.vision.VisionLanguageGPT`: the same language model with multimodal
 rotary positions (``position_embedding_type="mrope"``) and the checkpoint's vision tower inside.
@@ -217,11 +218,16 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from learner.attention import core_attention_class, resolve_backend
+
     config = transformer_config(arch, megatron)
     if arch.is_moe:
         define_missing_te_symbols()
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention.submodules  # pyright: ignore[reportAttributeAccessIssue]
+    attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend,
+                                                                    torch.cuda.is_available()))
     if arch.hybrid is not None:  # Nemotron-H: Mamba2 / attention / MLP / MoE layers (learner.hybrid_model)
         from learner.hybrid_model import build_hybrid_model
         core = spec.submodules.self_attention.submodules.core_attention  # pyright: ignore[reportAttributeAccessIssue]

@@ -10,7 +10,7 @@ Videos are refused (a prompt with video tokens is an error).
 
 :func:`attach_images` turns a packed :class:`~learner.packing.MicroBatch` into an
 :class:`ImageMicroBatch`: the ``[3, 1, T]`` positions of its segments end to end (each restarts at 0, so
-packing is exact under the block-diagonal mask), the ``pixel_values`` and ``image_grid_thw`` of its
+packing is exact: each sequence attends only to itself), the ``pixel_values`` and ``image_grid_thw`` of its
 images in segment order, and the mask of the positions that receive the vision tower's embeddings.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ class ImageMicroBatch(MicroBatch):
 
     def to(self, device: torch.device) -> ImageMicroBatch:
         return ImageMicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
-                               self.attention_mask.to(device), self.segments,
+                               self.blocks, self.segments,
                                self.images.to(device) if self.images is not None else None)
 
 
@@ -143,7 +143,7 @@ def attach_images(mb: MicroBatch, prompt_lens: list[int], images: list[ImageInpu
         mask[sl] = image_token_mask(tokens[sl], prompt_lens[seg.index], spec)
     packed = (PackedImages(torch.from_numpy(np.concatenate(pixels)), torch.from_numpy(np.concatenate(grids)),
                            torch.from_numpy(mask)[None]) if pixels else None)
-    return ImageMicroBatch(mb.tokens, torch.from_numpy(positions)[:, None], mb.targets, mb.attention_mask,
+    return ImageMicroBatch(mb.tokens, torch.from_numpy(positions)[:, None], mb.targets, mb.blocks,
                            mb.segments, packed)
 
 

@@ -2,13 +2,14 @@
 
 :func:`pack` lays sequences (prompt + response ids, longest first) end to end
 into rows of at most ``train_mb_tokens``, position ids restarting per sequence
-and a block-diagonal causal mask ``[1, 1, T, T]`` (True = masked), which gives
-the log-probs of running each sequence alone; it also returns the fill ratio.
+and the row's block lengths, from which the core attention
+(:mod:`learner.attention`) keeps each sequence to itself, which gives the
+log-probs of running each sequence alone; it also returns the fill ratio.
 
 :func:`deal` hands micro-batches to data-parallel ranks round-robin (rank d
 trains d, d+DP, …); with ``equal_shapes`` (expert parallelism) it pads every
 round to equal counts and widths with ``PAD_TOKEN`` blocks that change no
-log-prob and add no loss. Why the dense mask on GPU, and the padding's cost:
+log-prob and add no loss. The attention paths, and the padding's cost:
 docs/learner.md, "Packing".
 """
 from __future__ import annotations
@@ -31,14 +32,15 @@ class Segment:
 
 @dataclass
 class MicroBatch:
-    """One packed row: ``tokens``, ``position_ids`` and ``targets`` are ``[1, T]`` int64,
-    ``attention_mask`` is ``[1, 1, T, T]`` bool (True = masked). ``targets[t]`` is the
+    """One packed row: ``tokens``, ``position_ids`` and ``targets`` are ``[1, T]`` int64;
+    ``blocks`` are the lengths of the row's blocks in order (each sequence, then any padding
+    block), which attend only within themselves. ``targets[t]`` is the
     next token of the same sequence (0 at a sequence's last position, never used)."""
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
-    attention_mask: torch.Tensor
+    blocks: tuple[int, ...]
     segments: list[Segment]
 
     @property
@@ -47,7 +49,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
-                          self.attention_mask.to(device), self.segments)
+                          self.blocks, self.segments)
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -75,15 +77,6 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def block_diagonal_causal_mask(lengths: list[int]) -> torch.Tensor:
-    """``[1, 1, T, T]`` bool mask, True where position q may NOT attend to position k."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    same = seg[:, None] == seg[None, :]
-    total = int(seg.numel())
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    return (~(same & causal))[None, None]
-
-
 def build_micro_batch(sequences: list[np.ndarray], indices: list[int]) -> MicroBatch:
     """Lay ``sequences[indices]`` end to end into one :class:`MicroBatch`."""
     tokens, positions, targets, segments = [], [], [], []
@@ -96,9 +89,8 @@ def build_micro_batch(sequences: list[np.ndarray], indices: list[int]) -> MicroB
         targets.append(torch.cat([seq[1:], seq.new_zeros(1)]))
         segments.append(Segment(i, start, n))
         start += n
-    lengths = [s.length for s in segments]
     return MicroBatch(torch.cat(tokens)[None], torch.cat(positions)[None], torch.cat(targets)[None],
-                      block_diagonal_causal_mask(lengths), segments)
+                      tuple(s.length for s in segments), segments)
 
 
 def pack(sequences: list[np.ndarray], budget: int, enabled: bool = True) -> tuple[list[MicroBatch], float]:
@@ -123,7 +115,7 @@ def pack(sequences: list[np.ndarray], budget: int, enabled: bool = True) -> tupl
 def pad_micro_batch(mb: MicroBatch | None, width: int) -> MicroBatch:
     """``mb`` (``None``: no sequences) followed by a block of pad tokens up to ``width`` tokens.
 
-    The pad block is a sequence of its own in the block-diagonal mask and in no segment."""
+    The pad block is a block of its own (it attends only to itself) and in no segment."""
     real = mb.num_tokens if mb is not None else 0
     pad = width - real
     if pad < 0:
@@ -135,8 +127,7 @@ def pad_micro_batch(mb: MicroBatch | None, width: int) -> MicroBatch:
     empty = torch.zeros(1, 0, dtype=torch.int64)
     tokens, positions, targets = (mb.tokens, mb.position_ids, mb.targets) if mb is not None else (empty,) * 3
     return MicroBatch(torch.cat([tokens, fill], 1), torch.cat([positions, torch.arange(pad)[None]], 1),
-                      torch.cat([targets, fill], 1),
-                      block_diagonal_causal_mask([s.length for s in segments] + [pad]), segments)
+                      torch.cat([targets, fill], 1), (mb.blocks if mb is not None else ()) + (pad,), segments)
 
 
 def deal(micro_batches: list[MicroBatch], rank: int, ranks: int,

@@ -31,7 +31,7 @@ from learner import checkpoint, hf_weights
 from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
-from learner.logprobs import EntropyTap, response_logprobs_no_grad, token_logprobs
+from learner.logprobs import logprob_chunk, response_logprobs_no_grad, token_logprobs, token_scores
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.mrope_positions import ImageInputs, with_images
@@ -111,8 +111,7 @@ class Learner:
                               megatron.optimizer.use_distributed_optimizer)
         self.optim = build_optimizer(self.model, megatron.optimizer, self.bf16)
         self.reference = self._build_reference() if loss.reference_policy_kl_penalty > 0 else None
-        from megatron.core import parallel_state as ps
-        self.entropy_tap = EntropyTap(self.gpt, ps.get_tensor_model_parallel_group())
+        self.logprob_chunk = logprob_chunk(megatron)  # positions per log-prob chunk (learner.logprobs)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -269,9 +268,7 @@ class Learner:
         self.optim.zero_grad()
         local_loss = 0.0
         for mb in mine:
-            self.entropy_tap.arm()
-            lp = token_logprobs(self.model, mb)
-            entropy = self.entropy_tap.take()
+            lp, entropy = token_scores(self.model, mb, self.logprob_chunk)
             if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
                 lp[:0].sum().backward()
                 continue
@@ -312,7 +309,7 @@ class Learner:
         out: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for mb in micro_batches:
-                lp = token_logprobs(model, mb)
+                lp = token_logprobs(model, mb, self.logprob_chunk)
                 for seg, at in zip(mb.segments, trained_positions(mb, samples), strict=True):
                     out[seg.index] = lp[at.to(lp.device)]
         return out
@@ -347,7 +344,7 @@ class Learner:
         micro_batches = with_images(micro_batches, [len(p) for p in prompt_ids], pics, self.arch.vision)
         self.model.eval()
         lps = response_logprobs_no_grad(self.model, [mb.to(self.device) for mb in micro_batches],
-                                        [len(p) for p in prompt_ids], len(seqs))
+                                        [len(p) for p in prompt_ids], len(seqs), self.logprob_chunk)
         return [lp.float().numpy() for lp in lps]
 
     # ------------------------------------------------------------------ weights out

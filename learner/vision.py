@@ -71,7 +71,7 @@ class VisionLanguageGPT(GPTModel):
             self.visual.eval()
         return self
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None, *args: Any,
                 images: PackedImages | None = None, **kwargs: Any) -> torch.Tensor:
         """``GPTModel.forward`` on the embeddings of :meth:`embed`; 2-D ``position_ids`` (text only) are the same

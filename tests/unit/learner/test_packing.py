@@ -1,12 +1,10 @@
-"""First-fit-decreasing packing and the block-diagonal mask."""
+"""First-fit-decreasing packing, block lengths and padding."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from learner.packing import (PAD_TOKEN, block_diagonal_causal_mask, build_micro_batch, deal, first_fit_decreasing,
-                             pack, pad_micro_batch)
+from learner.packing import PAD_TOKEN, build_micro_batch, deal, first_fit_decreasing, pack, pad_micro_batch
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -30,17 +28,6 @@ def test_ffd_rejects_a_sequence_longer_than_the_budget():
         first_fit_decreasing([3, 11], budget=10)
 
 
-def test_block_diagonal_mask_blocks_other_sequences_and_the_future():
-    mask = block_diagonal_causal_mask([2, 3])[0, 0]
-    allowed = ~mask
-    expected = torch.tensor([[1, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0],
-                             [0, 0, 1, 0, 0],
-                             [0, 0, 1, 1, 0],
-                             [0, 0, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(allowed, expected)
-
-
 def test_pack_restarts_positions_and_targets_stay_inside_each_sequence():
     seqs = [np.array([10, 11, 12]), np.array([20, 21, 22, 23, 24]), np.array([30, 31])]
     mbs, fill = pack(seqs, budget=8)
@@ -49,7 +36,7 @@ def test_pack_restarts_positions_and_targets_stay_inside_each_sequence():
     assert first.tokens.tolist() == [[20, 21, 22, 23, 24, 10, 11, 12]]
     assert first.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
     assert first.targets.tolist() == [[21, 22, 23, 24, 0, 11, 12, 0]]
-    assert first.attention_mask.shape == (1, 1, 8, 8)
+    assert first.blocks == (5, 3) and mbs[1].blocks == (2,)
     assert fill == pytest.approx(10 / 16)
 
 
@@ -96,6 +83,6 @@ def test_padding_is_a_block_of_its_own_and_leaves_the_sequences_untouched():
     assert padded.tokens[0, :5].tolist() == mb.tokens[0].tolist()
     assert padded.tokens[0, 5:].tolist() == [PAD_TOKEN] * 3
     assert padded.position_ids[0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
-    assert torch.equal(padded.attention_mask, block_diagonal_causal_mask([3, 2, 3]))
+    assert padded.blocks == (3, 2, 3)
     with pytest.raises(ValueError, match="cannot pad a micro-batch of 5 tokens to 4"):
         pad_micro_batch(mb, 4)

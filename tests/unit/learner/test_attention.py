@@ -1,0 +1,80 @@
+"""learner.attention: the boundaries of a packed row, and the sdpa / flex core attention against masked softmax
+attention written out here (GQA, float32, values and gradients)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.attention import PackedAttention, block_diagonal_causal_mask, core_attention_class, packed_row
+
+BLOCKS = (7, 1, 12, 4)
+HEADS, GROUPS, DIM = 4, 2, 16
+
+
+def test_block_diagonal_mask_blocks_other_sequences_and_the_future():
+    allowed = ~block_diagonal_causal_mask([2, 3])[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+
+
+def test_packed_row_carries_cu_seqlens_and_the_row_length():
+    row = packed_row(BLOCKS, torch.device("cpu"))
+    assert row.cu_seqlens_q.tolist() == [0, 7, 8, 20, 24] and row.cu_seqlens_q.dtype == torch.int32
+    assert row.max_seqlen_q == row.max_seqlen_kv == 24 and row.blocks == BLOCKS
+    assert row.qkv_format == "sbhd"  # Megatron's THD handling (RoPE per sequence) stays off
+    with pytest.raises(ValueError, match=r"blocks of at least 1 token, got \[3, 0\]"):
+        packed_row([3, 0], torch.device("cpu"))
+
+
+def _reference(q, k, v, blocks):
+    """Softmax attention under the block-diagonal causal mask; ``[s, 1, h, d]`` in, ``[s, 1, h·d]`` out."""
+    s, _, heads, d = q.shape
+    rep = heads // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / d ** 0.5
+    scores = scores.masked_fill(block_diagonal_causal_mask(blocks), float("-inf"))
+    return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(s, 1, heads * d)
+
+
+def _module(backend) -> PackedAttention:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0, hidden_dropout=0.0)
+    return core_attention_class(backend)(config, 1, None, "self")
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    total = sum(BLOCKS)
+    return [torch.randn(total, 1, n, DIM, generator=gen, requires_grad=True) for n in (HEADS, GROUPS, GROUPS)]
+
+
+def test_sdpa_per_sequence_equals_masked_attention_with_gradients():
+    q, k, v = _inputs()
+    out = _module("sdpa")(q, k, v, None, packed_seq_params=packed_row(BLOCKS, q.device))
+    ref = _reference(q, k, v, BLOCKS)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+
+
+def test_flex_document_mask_equals_masked_attention():
+    q, k, v = (t.detach() for t in _inputs())
+    out = _module("flex")(q, k, v, None, packed_seq_params=packed_row(BLOCKS, q.device))
+    torch.testing.assert_close(out, _reference(q, k, v, BLOCKS), atol=1e-6, rtol=1e-5)
+
+
+def test_refuses_a_mask_and_a_row_of_the_wrong_length():
+    q, k, v = (t.detach() for t in _inputs())
+    with pytest.raises(ValueError, match="not a mask"):
+        _module("sdpa")(q, k, v, block_diagonal_causal_mask(BLOCKS))
+    with pytest.raises(ValueError, match="sum\\(blocks\\)=23 tokens, got query \\[s=24, b=1\\]"):
+        _module("sdpa")(q, k, v, None, packed_seq_params=packed_row((7, 1, 12, 3), q.device))
