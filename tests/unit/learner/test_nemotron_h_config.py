@@ -104,3 +104,18 @@ def test_refusals_name_the_field(changes, field, supported):
 def test_group_routing_with_every_group_kept_is_accepted():
     """n_group > 1 with topk_group == n_group keeps every group: plain top-k, which Megatron computes alike."""
     assert parse_hf_config(_with(n_group=8, topk_group=8)).moe_top_k == 6
+
+
+def test_validate_names_the_family_and_its_pattern(tmp_path):
+    """``inflight validate`` (services.model_source.check_model) on a Nemotron-H directory: the family and its
+    layer pattern; an unsupported field is refused naming it."""
+    import json
+
+    from services.model_source import check_model
+
+    (tmp_path / "config.json").write_text(json.dumps(NANO3))
+    line = check_model(str(tmp_path))
+    assert line.startswith("nemotron_h:") and f"layers {NANO3['hybrid_override_pattern']!r}" in line
+    (tmp_path / "config.json").write_text(json.dumps(_with(moe_latent_size=1024)))
+    with pytest.raises(ValueError, match="policy.model_name.*moe_latent_size: 1024"):
+        check_model(str(tmp_path))
