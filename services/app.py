@@ -73,8 +73,9 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
         learner.shutdown()
 
 
-def run_embedded(recipe: Recipe, run_dir: Path) -> Path:
-    """``inflight run``: local Ray + pool + learner on this machine, torn down at the end."""
+def run_embedded(recipe: Recipe, run_dir: Path, resume: bool = False) -> Path:
+    """``inflight run``: local Ray + pool + learner on this machine, torn down at the end; with ``resume``, the
+    learner continues from the run directory's latest checkpoint (:mod:`services.run_resume` decides)."""
     ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:
         # The pool first, the learner once it is ready: with rollout_pool.share_gpu the two share one GPU, and
@@ -87,7 +88,7 @@ def run_embedded(recipe: Recipe, run_dir: Path) -> Path:
             print(f"rollout pool {status['name']!r} ready at version {status['version']}; "
                   f"metrics: {status['http']}/metrics  health: {status['http']}/healthz  "
                   f"ready: {status['http']}/readyz", file=sys.stderr)
-            return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=False)
+            return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=resume)
         finally:
             pool_api.shutdown(recipe.rollout_pool.name)
     finally:

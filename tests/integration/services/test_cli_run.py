@@ -37,8 +37,15 @@ def console_lines(out: subprocess.CompletedProcess) -> list[str]:
     return out.stdout.splitlines() + out.stderr.splitlines()
 
 
-def test_inflight_run_two_steps_prints_its_own_lines_and_files_the_libraries_logs(tmp_path):
-    out = inflight_run(tmp_path, "--steps", "2", *SMALL, RAY_ROTATION_MAX_BYTES=str(ROTATE_AT))
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One `inflight run --steps 2` (its run directory and its output), shared by the tests that read it."""
+    run_dir = tmp_path_factory.mktemp("run")
+    return run_dir, inflight_run(run_dir, "--steps", "2", *SMALL, RAY_ROTATION_MAX_BYTES=str(ROTATE_AT))
+
+
+def test_inflight_run_two_steps_prints_its_own_lines_and_files_the_libraries_logs(two_steps):
+    tmp_path, out = two_steps
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -61,6 +68,25 @@ def test_inflight_run_two_steps_prints_its_own_lines_and_files_the_libraries_log
     assert list((ray_logs / "serve").glob("replica_*.log")) and list((ray_logs / "serve").glob("controller_*.log"))
     rotated = [name for name in workers if name.endswith(".out.1")]  # the engine's output (~15 kB) rotated
     assert rotated and all(len(workers[n]) <= ROTATE_AT for n in rotated), sorted(workers)
+
+
+def test_inflight_run_again_resumes_from_the_checkpoint_and_continues_the_record(two_steps):
+    """Issue 33.1: the same command with ``--steps 4`` resumes at step 3 (before: steps 1-4 again, appended to
+    metrics.jsonl, and step_000002 overwritten), says so in one line, and keeps the step-2 checkpoint."""
+    run_dir, first = two_steps
+    assert first.returncode == 0, first.stderr[-4000:]
+    ckpts = run_dir / "results" / "checkpoints"
+    step2 = (ckpts / "step_000002" / "rank_00000.pt").stat().st_mtime_ns
+    out = inflight_run(run_dir, "--steps", "4", *SMALL)
+    assert out.returncode == 0, out.stderr[-4000:]
+    said = [ln for ln in console_lines(out) if "resuming" in ln]
+    assert said == [f"inflight: resuming {run_dir} from step_000002 (step 2): steps 3..4 follow; --fresh starts "
+                    "over"], "\n".join(console_lines(out))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]  # the weights went on from the checkpoint's
+    assert (ckpts / "latest").read_text() == "step_000004"
+    assert (ckpts / "step_000002" / "rank_00000.pt").stat().st_mtime_ns == step2  # kept, not written again
 
 
 def test_an_engine_that_fails_inside_its_actor_reaches_the_quiet_console_attributed(tmp_path):
