@@ -1,6 +1,6 @@
 """``inflight`` command line.
 
-    inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [--fresh] [key=value ...]   (resumes RUN_DIR's run)
+    inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [key=value ...]
     inflight pool deploy --recipe PATH [--name N] [key=value ...]
     inflight pool status [--name N]
     inflight pool scale --engines N [--name N] [--drain-timeout-s S] [--json]   (add or remove engines, live)
@@ -11,6 +11,8 @@
     inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
     inflight env serve ENV [--host H] [--port 8300] [--kwargs JSON]   (an environment class over HTTP)
     inflight export --run-dir DIR [--step N] --out HF_DIR [--overwrite] [--recipe PATH] [key=value ...]
+    inflight eval --model HF_DIR [--recipe PATH] | --run-dir DIR [--step N]  [--pass-k K] [--out FILE]   (no training)
+    inflight generate --model HF_DIR | --run-dir DIR [--step N]  [--prompts FILE] [-n N] [--max-tokens M]
     inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral|qwen2_5_vl]
                                  [--tie-word-embeddings] [--size tiny|small|0.6b]
 
@@ -122,10 +124,14 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from services.run_resume import run  # resumes the run the directory holds, or --fresh starts over
+    from services.app import run_embedded
 
-    recipe = _recipe(args, [f"grpo.max_num_steps={args.steps}"] if args.steps else [])
-    return run(recipe, Path(args.run_dir or recipe.logger.log_dir), fresh=args.fresh, verbose=args.verbose)
+    extra = [f"grpo.max_num_steps={args.steps}"] if args.steps else []
+    recipe = _recipe(args, extra)
+    run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    console.setup(run_dir, verbose=args.verbose)
+    run_embedded(recipe, run_dir)
+    return 0
 
 
 def _cmd_pool_deploy(args: argparse.Namespace) -> int:
@@ -289,7 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
     r = recipe_command(sub, "run", "run the whole loop on this machine (local Ray, pool, learner)", _cmd_run,
                        run_dir_help="where metrics, plots and checkpoints go (default: logger.log_dir)")
     r.add_argument("--steps", type=int, default=None, help="override grpo.max_num_steps")
-    r.add_argument("--fresh", action="store_true", help="start over: an earlier run's files move to RUN_DIR/previous")
 
     pool = sub.add_parser("pool", help="the long-lived rollout pool").add_subparsers(dest="pool_cmd", required=True)
     d = recipe_command(pool, "deploy", "deploy a rollout pool (starts a local Ray cluster if none is given)",
@@ -364,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model size ({VLM_ARCH}: {', '.join(VLM_SIZES)})")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     t.set_defaults(func=_cmd_make_tiny_model)
+    from services.eval_cmd import add_commands  # inflight eval, inflight generate
+    add_commands(sub)
     return p
 
 
