@@ -1,6 +1,6 @@
 """``inflight`` command line.
 
-    inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [key=value ...]
+    inflight run [--recipe PATH] [--steps N] [--run-dir DIR] [--fresh] [key=value ...]   (resumes RUN_DIR's run)
     inflight pool deploy --recipe PATH [--name N] [key=value ...]
     inflight pool status [--name N]
     inflight pool scale --engines N [--name N] [--drain-timeout-s S] [--json]   (add or remove engines, live)
@@ -124,14 +124,10 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from services.app import run_embedded
+    from services.run_resume import run  # resumes the run the directory holds, or --fresh starts over
 
-    extra = [f"grpo.max_num_steps={args.steps}"] if args.steps else []
-    recipe = _recipe(args, extra)
-    run_dir = Path(args.run_dir or recipe.logger.log_dir)
-    console.setup(run_dir, verbose=args.verbose)
-    run_embedded(recipe, run_dir)
-    return 0
+    recipe = _recipe(args, [f"grpo.max_num_steps={args.steps}"] if args.steps else [])
+    return run(recipe, Path(args.run_dir or recipe.logger.log_dir), fresh=args.fresh, verbose=args.verbose)
 
 
 def _cmd_pool_deploy(args: argparse.Namespace) -> int:
@@ -295,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = recipe_command(sub, "run", "run the whole loop on this machine (local Ray, pool, learner)", _cmd_run,
                        run_dir_help="where metrics, plots and checkpoints go (default: logger.log_dir)")
     r.add_argument("--steps", type=int, default=None, help="override grpo.max_num_steps")
+    r.add_argument("--fresh", action="store_true", help="start over: an earlier run's files move to RUN_DIR/previous")
 
     pool = sub.add_parser("pool", help="the long-lived rollout pool").add_subparsers(dest="pool_cmd", required=True)
     d = recipe_command(pool, "deploy", "deploy a rollout pool (starts a local Ray cluster if none is given)",
