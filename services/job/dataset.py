@@ -16,7 +16,8 @@ The task a reward function sees (``PromptRequest.task``, whose values the protoc
 numbers): ``answer`` is ``data.output_key``'s value as a string (an integral float such as ``12.0``, which CSV
 columns with gaps produce, becomes ``"12"``); every other column is metadata, converted as follows: strings,
 ints and finite floats as they are; ``bool`` -> ``0``/``1``; ``None``, NaN and infinities -> the key is left out;
-lists and dicts -> a JSON string; anything else -> ``str(value)``. A metadata column named ``answer`` is replaced
+an image of a ``datasets.Image`` column -> its path (its bytes stay out); lists and dicts -> a JSON string;
+anything else -> ``str(value)``. A metadata column named ``answer`` is replaced
 by the reference (``data.task_columns``, when set, names the metadata columns kept). A string over
 ``protocol.fields.MAX_STRING_CHARS`` makes the row invalid.
 """
@@ -65,6 +66,12 @@ class Rows:
     """First row of each file (one entry per file; a ``save_to_disk`` directory counts as one file)."""
     indices: np.ndarray | None = None
     """The rows of ``dataset`` this set is, in this order (a :func:`split_rows` part); None: all, in order."""
+    _arrow: Any = field(default=None, init=False, repr=False, compare=False)
+    _features: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._arrow = self.dataset.with_format("arrow")
+        self._features = media_undecoded(self.dataset.features)
 
     def __len__(self) -> int:
         return len(self.dataset) if self.indices is None else len(self.indices)
@@ -78,10 +85,11 @@ class Rows:
         return int(i) if self.indices is None else int(self.indices[i])
 
     def row(self, i: int) -> dict:
-        """Row ``i`` as a dict; :class:`InvalidRow` naming the column when a value is not valid UTF-8."""
+        """Row ``i`` as a dict, as ``dataset[i]`` gives it except that images (audio, video) stay ``{bytes, path}``
+        (:func:`media_undecoded`); :class:`InvalidRow` naming the column when a value is not valid UTF-8."""
         j = self.source_row(i)
         try:
-            return self.dataset[j]
+            return self._features.decode_example(self._arrow[j].to_pylist()[0])
         except UnicodeDecodeError as e:
             column = undecodable_column(self.dataset.with_format("arrow")[j]) or "(a column)"
             k = bisect_right(self.starts, j) - 1
@@ -100,6 +108,33 @@ class Rows:
         k = bisect_right(self.starts, self.source_row(i)) - 1
         path = Path(self.files[k]) if self.files else None
         return None if path is None or not path.exists() else str(path if path.is_dir() else path.parent)
+
+
+def media_undecoded(features: Any) -> Any:
+    """A copy of the ``datasets.Features`` ``features`` in which no image, audio or video column is decoded: their
+    values stay ``{bytes, path}`` for the image preparation to read under its rules (docs/security.md). Decoding
+    them is what ``datasets`` does otherwise: Pillow with every format it knows (EPS among them) on a path read from
+    anywhere."""
+    import copy
+
+    import datasets
+
+    out = copy.deepcopy(features)
+
+    def walk(f: Any) -> None:
+        if isinstance(f, dict):
+            for v in f.values():
+                walk(v)
+        elif isinstance(f, list | tuple):
+            for v in f:
+                walk(v)
+        elif hasattr(f, "feature"):
+            walk(f.feature)
+        elif hasattr(f, "decode_example") and getattr(f, "decode", None) is True and type(f).__name__ != "Json":
+            f.decode = False
+
+    walk(out)
+    return datasets.Features(out)
 
 
 def split_rows(rows: Rows, size: float, seed: int) -> tuple[Rows, Rows]:
@@ -320,6 +355,8 @@ def metadata_value(v: Any, key: str) -> str | int | float | None:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else None
+    if isinstance(v, dict) and set(v) <= {"bytes", "path"} and isinstance(v.get("bytes"), bytes | None):
+        return metadata_value(v.get("path"), key)  # an image column that is not data.image_key: its path only
     if isinstance(v, (list, dict)):
         v = json.dumps(v, default=str)
     s = v if isinstance(v, str) else str(v)

@@ -122,3 +122,28 @@ def test_data_image_roots_reach_the_pool_as_real_paths(data, tmp_path):
     with pytest.raises(ValueError, match=r"data.image_roots\[1\] '.*nowhere': not a directory"):
         DataConfig(image_key="image", image_roots=[str(data), str(tmp_path / "nowhere")]).image_pool(
             str(tmp_path / "model"))
+
+
+def test_a_datasets_image_column_is_not_decoded_by_datasets(tmp_path, monkeypatch):
+    """A ``datasets.Image`` column would be decoded by ``datasets`` with Pillow's every format (EPS: Ghostscript)
+    when the row is read; it stays ``{bytes, path}`` for the preparation's rules."""
+    import datasets
+    from PIL import EpsImagePlugin
+
+    from services.job.dataset import RowMapper, load_rows
+
+    calls: list[object] = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: calls.append(a) or 1 / 0)
+    png = encoded(noise(40, 30))
+    ds = datasets.Dataset.from_dict({"input": ["q0", "q1"], "output": ["1", "2"], "thumb": [None, None],
+                                     "image": [{"bytes": png, "path": "a.png"}, {"bytes": EPS, "path": "b.png"}]})
+    ds = ds.cast_column("image", datasets.Image()).cast_column("thumb", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "disk"))
+    rows = load_rows(str(tmp_path / "disk"))
+    first, second = rows.row(0), rows.row(1)
+    assert first["image"] == {"bytes": png, "path": "a.png"} and second["image"]["bytes"] == EPS
+    assert isinstance(prepare_image(first["image"], RULES), PreparedImage)
+    _fails(second["image"], "not_an_image")
+    assert not calls
+    task = RowMapper("input", "output", "messages").map(first).task  # a text recipe: the image column's path only
+    assert task == {"image": "a.png", "answer": "1"}
