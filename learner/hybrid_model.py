@@ -60,6 +60,10 @@ def hybrid_transformer_config(arch: HFArchitecture, megatron: MegatronConfig) ->
                          f"{arch.num_attention_heads} and num_key_value_heads={arch.num_key_value_heads}")
     moe: dict[str, Any] = {}
     if arch.num_experts is not None:
+        if tp > 1:  # Megatron's MoELayer refuses to train under TP without sequence parallelism
+            raise ValueError(f"tensor_model_parallel_size={tp}: Nemotron-H MoE layers ('E' in the pattern) train "
+                             f"only with sequence parallelism, which the learner does not run; use TP=1 "
+                             f"(expert_model_parallel_size places the experts)")
         if arch.num_experts % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide n_routed_experts={arch.num_experts}")
         moe = dict(

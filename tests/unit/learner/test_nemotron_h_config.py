@@ -119,3 +119,13 @@ def test_validate_names_the_family_and_its_pattern(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_with(moe_latent_size=1024)))
     with pytest.raises(ValueError, match="policy.model_name.*moe_latent_size: 1024"):
         check_model(str(tmp_path))
+
+
+def test_moe_layers_under_tensor_parallelism_are_refused_up_front():
+    """Megatron's MoELayer refuses to train under TP without sequence parallelism (mid-step); the learner says so
+    when it builds the config."""
+    from learner.config import MegatronConfig
+    from learner.hybrid_model import hybrid_transformer_config
+
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2: Nemotron-H MoE layers"):
+        hybrid_transformer_config(parse_hf_config(NANO3), MegatronConfig(tensor_model_parallel_size=2))
