@@ -21,7 +21,10 @@ on stderr, with why, before the command runs.
 
 User errors (bad recipe, bad arguments, a cluster that refuses the connection) print one line and exit 2; a
 pool that does not start prints its reason in one line and exits 1; no traceback. An error out of an actor (a
-learner rank, an engine) prints one line naming it and exits 1; its traceback goes to RUN_DIR/logs/driver.log.
+learner rank, an engine) prints one line naming it and exits 1; its traceback goes to RUN_DIR/logs/driver.log;
+so does any other error once the command has opened RUN_DIR/logs. ``validate``, ``run``, ``pool deploy`` and
+``learner attach`` first check every file, class and model the recipe names (:mod:`services.recipe_checks`):
+all problems at once, one line each, exit 2, before anything starts.
 
 ``run``, ``pool deploy`` and ``learner attach`` print Inflight's own lines; the Ray, Serve and vLLM logs go to
 RUN_DIR/logs (``pool status|shutdown``: INFLIGHT_HOME/logs; ``--verbose`` prints them too):
@@ -41,6 +44,7 @@ from services.cluster_auth import ClusterConnectError
 from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
 from services.pool.startup import PoolStartError
+from services.recipe_checks import check_recipe
 
 EXIT_USER_ERROR = 2
 EXIT_FAILED = 1
@@ -57,45 +61,12 @@ def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
-    model = _check_model(recipe.policy.model_name)
-    environment = _check_environment(recipe)
+    checks = check_recipe(recipe, here=False)  # every file, class and model it names; all problems at once
+    checks.raise_problems()
     sys.stdout.write(recipe_to_yaml(recipe))
-    print(f"inflight: policy.model_name: {model}", file=sys.stderr)
-    if environment:
-        print(f"inflight: {environment}", file=sys.stderr)
+    for note in checks.notes:
+        print(f"inflight: {note}", file=sys.stderr)
     return 0
-
-
-def _check_environment(recipe: Recipe) -> str:
-    """One line on the environment that plays the episodes ('' for single-turn scoring); a class that does not
-    load is a user error (exit 2)."""
-    from rollout.env_registry import TOOL_CALLS, load_environment_class
-
-    name = recipe.data.env_name
-    if name is None or not (e := recipe.env.named[name]).episodic:
-        return ""
-    turns = f"up to {recipe.grpo.max_rollout_turns} turns"
-    if e.url is not None:
-        return f"env.{name}: environment server {e.url}, {turns}"
-    assert e.environment is not None
-    if e.environment == TOOL_CALLS:
-        return f"env.{name}: tool_calls with {', '.join(e.tools)}, {turns}"
-    try:
-        cls = load_environment_class(e.environment)
-    except ValueError as err:
-        raise UserError(f"env.{name}.environment: {err}") from None
-    served = ", served by Ray Serve" if e.serve else ""
-    return f"env.{name}: {cls.__module__}.{cls.__qualname__}{served}, {turns}"
-
-
-def _check_model(model_name: str) -> str:
-    """The model's family in one line; an unsupported model is a user error (exit 2)."""
-    from services.model_source import check_model
-
-    try:
-        return check_model(model_name)
-    except ValueError as err:
-        raise UserError(str(err)) from None
 
 
 def _cmd_env_serve(args: argparse.Namespace) -> int:
@@ -127,6 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from services.run_resume import run  # resumes the run the directory holds, or --fresh starts over
 
     recipe = _recipe(args, [f"grpo.max_num_steps={args.steps}"] if args.steps else [])
+    check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
     return run(recipe, Path(args.run_dir or recipe.logger.log_dir), fresh=args.fresh, verbose=args.verbose)
 
 
@@ -135,6 +107,7 @@ def _cmd_pool_deploy(args: argparse.Namespace) -> int:
     from services.app import deploy_pool
 
     recipe = _recipe(args, [f"rollout_pool.name={args.name}"] if args.name else [])
+    check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
     run_dir = Path(args.run_dir or recipe.logger.log_dir)
     logs = console.setup(run_dir, verbose=args.verbose).log_dir
     ray_runtime.connect(cluster.ensure_cluster())
@@ -211,6 +184,7 @@ def _cmd_learner_attach(args: argparse.Namespace) -> int:
     from services.app import run_learner
 
     recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
+    check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
     run_dir = Path(args.run_dir or recipe.logger.log_dir)
     console.setup(run_dir, verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
@@ -391,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     except LearnerJobError as err:  # a job that failed or did not end in time: 1; a mistake in the call: 2
         print(f"inflight: {err}", file=sys.stderr)
         return EXIT_FAILED if isinstance(err, LearnerJobFailed) else EXIT_USER_ERROR
-    except Exception as err:  # an error out of an actor: one line naming it (the traceback: driver.log)
-        if not console.is_actor_error(err):
+    except Exception as err:  # an actor's error, or any once RUN_DIR/logs is open: one line (traceback: driver.log)
+        if not console.is_actor_error(err) and console.active() is None:
             raise
         print(f"inflight: {console.failure_line(err)}", file=sys.stderr)
         return EXIT_FAILED

@@ -44,7 +44,9 @@ FIXTURES = [
     # the recipe names its tokenizer apart from its model (both meta-llama/Llama-3.1-8B-Instruct): moving the model
     # to another directory moves the tokenizer only if told
     Fixture("recipes/llm/performance/grpo-llama3.1-8b-instruct-2n4g-async-1off.yaml", "llama3",
-            extra=("policy.tokenizer.name=${policy.model_name}",)),
+            extra=("policy.tokenizer.name=${policy.model_name}",
+                   # its data.default.prompt_file comes from grpo_math_1B.yaml, three directories up: named here
+                   f"data.default.prompt_file={NEMO / 'examples' / 'prompts' / 'cot.txt'}")),
 ]
 VLM = Fixture("vlm_grpo_3B_megatron.yaml", "qwen2", frozenset({"data.default.processor"}))
 
