@@ -162,3 +162,28 @@ def test_training_steps_move_the_mamba_weights(tmp_path):
                 assert torch.equal(b, bias[name]), name
     finally:
         learner.shutdown()
+
+
+def test_activation_checkpointing_changes_no_number(tmp_path):
+    """With ``activation_checkpointing`` each hybrid layer is recomputed in the backward: the same loss, gradient
+    norm and updated weights as without."""
+    from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
+    from learner.trainer import Learner
+
+    model_dir = str(build_nemotron_h(tmp_path / "dense", DENSE_PATTERN, seed=8))
+    results = []
+    for recompute in (False, True):
+        megatron = MegatronConfig(precision="float32", activation_checkpointing=recompute,
+                                  optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0))
+        learner = Learner(model_dir, megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=256), 128)
+        try:
+            assert learner.gpt.decoder.recompute is recompute
+            metrics = learner.train_step(_groups(learner))
+            results.append((metrics, {n: p.detach().clone() for n, p in learner.gpt.named_parameters()}))
+        finally:
+            learner.shutdown()
+    (plain, w_plain), (recomputed, w_recomputed) = results
+    for key in ("loss", "grad_norm"):
+        assert abs(plain[key] - recomputed[key]) <= 1e-6 * max(1.0, abs(plain[key])), key
+    for name, value in w_plain.items():
+        torch.testing.assert_close(w_recomputed[name], value, rtol=1e-5, atol=1e-6)
