@@ -3,7 +3,8 @@
 The console is quiet: Inflight's own lines only (at most 40 for a run without warnings, stdout and stderr
 together), the Ray, Serve and vLLM logs in RUN_DIR/logs; ``--verbose`` prints them as well. An error inside an
 actor still reaches the quiet console, attributed: checked with a pool whose engine cannot load its reward
-function (it fails in ~20 s), and (slow) with a learner rank whose checkpoint cannot be written.
+function (it fails in ~20 s; the function imports in the command itself, or the recipe check would refuse it before
+anything starts), and (slow) with a learner rank whose checkpoint cannot be written.
 """
 from __future__ import annotations
 
@@ -19,7 +20,17 @@ import pytest
 MAX_CONSOLE_LINES = 40
 """Issue 20's goal for `make run` (20 steps; start-up and shutdown dominate, so 2 steps count the same)."""
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"]
-BAD_REWARD = "env.reward_fn=no_such_reward_module:score"
+ENGINE_ONLY_REWARD = """import sys
+
+# Imports in the command (its recipe check passes: services.recipe_checks) but not in the engines, as a package
+# installed where the command runs and missing where the engines run.
+if not sys.argv[0].endswith("cli.py"):
+    raise ModuleNotFoundError("No module named 'no_such_reward_module'")
+
+
+def score(batch):
+    return [0.0] * len(batch)
+"""
 ROTATE_AT = 8192
 """Bytes at which the first run's per-process logs rotate (``RAY_ROTATION_MAX_BYTES``; Inflight's default 16 MiB)."""
 LIBRARY_INFO = ("Got updated endpoints", "Started a local Ray instance", "Initializing a V1 LLM engine",
@@ -31,6 +42,12 @@ def inflight_run(run_dir: Path, *args: str, **env: str) -> subprocess.CompletedP
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_ROTATION_"))}
     return subprocess.run([sys.executable, "-m", "services.cli", "run", "--run-dir", str(run_dir), *args],
                           env={**base, "PYTHONUNBUFFERED": "1", **env}, capture_output=True, text=True, timeout=600)
+
+
+def bad_reward(tmp_path: Path) -> str:
+    """An ``env.reward_fn`` override whose function the engine cannot import."""
+    (tmp_path / "engine_only_reward.py").write_text(ENGINE_ONLY_REWARD)
+    return f"env.reward_fn={tmp_path / 'engine_only_reward.py'}:score"
 
 
 def console_lines(out: subprocess.CompletedProcess) -> list[str]:
@@ -90,7 +107,7 @@ def test_inflight_run_again_resumes_from_the_checkpoint_and_continues_the_record
 
 
 def test_an_engine_that_fails_inside_its_actor_reaches_the_quiet_console_attributed(tmp_path):
-    out = inflight_run(tmp_path, "--steps", "1", BAD_REWARD)
+    out = inflight_run(tmp_path, "--steps", "1", bad_reward(tmp_path))
     assert out.returncode == 1, out.stderr[-4000:]
     lines = console_lines(out)
     forwarded = [ln for ln in lines if re.match(r"^\S*\(ServeReplica:inflight-pool:RolloutPool pid=\d+\)\S* ERROR "
@@ -103,7 +120,7 @@ def test_an_engine_that_fails_inside_its_actor_reaches_the_quiet_console_attribu
 
 
 def test_verbose_prints_the_libraries_logs_too(tmp_path):
-    out = inflight_run(tmp_path, "--verbose", "--steps", "1", BAD_REWARD)
+    out = inflight_run(tmp_path, "--verbose", "--steps", "1", bad_reward(tmp_path))
     assert out.returncode == 1, out.stderr[-4000:]
     lines = console_lines(out)
     assert "Started a local Ray instance" in out.stderr and "Got updated endpoints" in out.stderr, "\n".join(lines)
