@@ -74,7 +74,8 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
     cuda = torch.cuda.is_available()
     seq_len = min(args.seq_len, mb_tokens)
     megatron = MegatronConfig(precision="bfloat16" if cuda else "float32", optimizer=OptimizerConfig(lr=1e-5),
-                              attention_backend=backend, logprob_chunk_size=args.chunk)
+                              attention_backend=backend, logprob_chunk_size=args.chunk,
+                              activation_checkpointing=args.recompute)
     learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=mb_tokens),
                       max_total_sequence_length=seq_len)
     rng = np.random.default_rng(0)
@@ -149,6 +150,7 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
     peak = args.peak_tflops * 1e12
     result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
               "precision": megatron.precision, "attention_backend": backend, "logprob_chunk_size": args.chunk,
+              "activation_checkpointing": args.recompute,
               "parameters": params, "max_sequence_length": seq_len, "tokens_per_step": tokens,
               "micro_batches": len(micro_batches), "train_mb_tokens": mb_tokens, "fill_ratio": float(np.mean(fills)),
               "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192, help="longest sequence with --shape")
     ap.add_argument("--tokens-per-mb", type=float, default=0.0, help="batch size in budgets (0: --groups)")
     ap.add_argument("--no-two-step", dest="two_step", action="store_false")
+    ap.add_argument("--recompute", action="store_true", help="policy.megatron_cfg.activation_checkpointing")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "learner_step_cpu.json"))

@@ -75,7 +75,7 @@ class MegatronConfig(ConfigModel):
     attention_backend: Literal["auto", "flex", "sdpa", "local"] = "auto"
     """Core attention over packed rows (:mod:`learner.attention`): ``flex`` (flex_attention, document mask),
     ``sdpa`` (SDPA per sequence), ``local`` (Megatron's DotProductAttention under a dense ``[T, T]`` mask:
-    quadratic memory, for comparison); ``auto``: flex on GPU, sdpa on CPU."""
+    quadratic memory, for comparison); ``auto``: sdpa (the fastest on an H200, docs/benchmarks.md)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Positions per chunk of the output layer + log-prob + entropy (NeMo-RL's ``policy.logprob_chunk_size``):
     the fp32 logits of one chunk exist at a time, forward and backward (the chunk's logits are recomputed in

@@ -226,8 +226,7 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules  # pyright: ignore[reportAttributeAccessIssue]
-    attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend,
-                                                                    torch.cuda.is_available()))
+    attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend))
     if arch.hybrid is not None:  # Nemotron-H: Mamba2 / attention / MLP / MoE layers (learner.hybrid_model)
         from learner.hybrid_model import build_hybrid_model
         core = spec.submodules.self_attention.submodules.core_attention  # pyright: ignore[reportAttributeAccessIssue]
