@@ -14,8 +14,9 @@ Megatron's local layer spec builds as ``core_attention`` (``DotProductAttention`
   boundaries — the reference the others are tested against, and the "before" of the GPU bench (``[T, T]``
   scores per head: quadratic memory).
 
-``auto`` is ``sdpa``: on one H200 (Qwen3-0.6B shape, bf16) it ran 1.2–1.4× faster than compiled flex at every
-packing budget from 4K to 32K tokens (docs/benchmarks.md). Which runs where and why: docs/learner.md, "Packing".
+``auto`` is ``sdpa``: on one H200 (Qwen3-0.6B shape, bf16) it trained at 1.06–1.35× the tokens/s of compiled
+flex at every packing budget from 4K to 32K tokens (docs/benchmarks.md). Which runs where and why:
+docs/learner.md, "Packing".
 """
 from __future__ import annotations
 
