@@ -16,7 +16,7 @@ from services import console, ray_runtime
 from services import pool as pool_api
 from services.config import Recipe
 from services.job.learner_actor import LearnerGroup
-from services.model_source import resolve_model
+from services.model_variant import resolve_policy_model
 
 
 def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
@@ -34,7 +34,7 @@ def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
 
 
 def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
-    model_path = resolve_model(recipe.policy.model_name)
+    model_path = resolve_policy_model(recipe.policy)
     return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # raises PoolStartError if not ready
 
 
@@ -45,7 +45,7 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
 
-    model_path = resolve_model(recipe.policy.model_name)
+    model_path = resolve_policy_model(recipe.policy)
     save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from
     handle = pool_api.connect(pool_name)
     learner = LearnerGroup(recipe, model_path,

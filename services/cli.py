@@ -56,6 +56,8 @@ def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
     recipe, report = load_recipe_with_report(args.recipe, list(args.overrides) + (extra or []))
     if report.ignored:
         print(f"inflight: {len(report.ignored)} recipe keys have no meaning here:\n{report.summary()}", file=sys.stderr)
+    for resolved in report.resolved:
+        print(f"inflight: {resolved.line()}", file=sys.stderr)
     return recipe
 
 

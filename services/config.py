@@ -28,6 +28,7 @@ from services.config_data import DataConfig, EnvConfig, RewardEnvConfig
 from services.config_logging import LoggerConfig
 from services.gpu_layout import check_gpu_layout
 from services.recipe_files import RecipeError, read_recipe
+from services.recipe_paths import resolve_paths
 from services.recipe_rules import check_recipe
 
 if TYPE_CHECKING:
@@ -113,12 +114,26 @@ class GrpoConfig(ConfigModel):
         return self
 
 
+class TokenizerConfig(ConfigModel):
+    """``policy.tokenizer`` (NeMo-RL's section; its other keys are translated by :mod:`services.nemo_rl`)."""
+
+    name: str | None = None
+    """A tokenizer directory other than ``policy.model_name``'s (NeMo-RL's key and meaning): its tokenizer files
+    replace the model's for the learner, the engines, the prompts and exports (:mod:`services.model_variant`).
+    None or the model's directory: the model's own tokenizer."""
+
+
 class PolicyConfig(ConfigModel):
     """``policy``: the model, its learner and its generation."""
 
     model_name: str = "tiny://qwen2"
     """HF model directory, or ``tiny://ARCH[?seed=N&size=S&tie=1]`` to build a random tiny model locally (ARCH:
     qwen2, qwen3, llama, llama3, qwen3_moe, mistral; tie=1 ties the embeddings, as Qwen2.5-0.5B/1.5B)."""
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """The tokenizer, when it is not the model's."""
+    hf_config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Values set on top-level keys of the model's ``config.json`` before the learner and the engines read it
+    (NeMo-RL's key and meaning), e.g. ``{max_position_embeddings: 65536}``; {}: the model's config as it is."""
     max_total_sequence_length: int = Field(default=8192, ge=16)
     """Prompt + answer tokens of one sequence."""
     freeze_vision_tower: bool = True
@@ -336,16 +351,19 @@ def _explain(err: ValidationError) -> RecipeError:
 def load_recipe_with_report(path: str | os.PathLike | None = None, overrides: list[str] | None = None
                             ) -> tuple[Recipe, TranslationReport]:
     """Load a recipe file (default: ``recipes/tiny-cpu.yaml``) with ``overrides``; returns it and the report of
-    what the translation kept, mapped and ignored (``report.summary()`` lists the ignored keys and why)."""
+    what the translation kept, mapped and ignored (``report.summary()`` lists the ignored keys and why;
+    ``report.resolved`` the relative paths found from the recipe's directory: :mod:`services.recipe_paths`)."""
     from services.nemo_rl.rules import TranslationError, translate
     from services.nemo_rl.table import TABLE
 
-    data = read_recipe(Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml", overrides)
+    recipe_file = Path(path) if path else RECIPES_DIR / "tiny-cpu.yaml"
+    data = read_recipe(recipe_file, overrides)
     _reject_removed(data)
     try:
         translated, report = translate(data, TABLE, is_recipe_key)
     except TranslationError as err:
         raise RecipeError(err.path, err.reason) from None
+    report.resolved = resolve_paths(translated, recipe_file)
     try:
         return Recipe.model_validate(translated), report
     except ValidationError as err:

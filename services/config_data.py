@@ -178,7 +178,8 @@ class RewardEnvConfig(ConfigModel):
     reward_functions: list[RewardFunctionSpec] = Field(
         default_factory=lambda: [RewardFunctionSpec(name="math_verify", weight=1.0)], min_length=1)
     """Reward functions and their weights; the reward is the weighted sum, and each function's mean is a metric
-    (``reward_<name>_mean``). Default: ``math_verify`` alone."""
+    (``reward_<name>_mean``: a registered name, or your function's name, ``_2``... when two collide). Default:
+    ``math_verify`` alone."""
     num_workers: int = Field(default=2, ge=1, le=256)
     """Worker processes per engine that run the reward functions; a call that overruns ``timeout_s`` has its worker
     killed (and replaced) and its sample fails with the reason."""

@@ -82,7 +82,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, recipe
     import json
 
     from services.job.learner_actor import LearnerSpec
-    from services.model_source import resolve_model
+    from services.model_variant import resolve_policy_model
 
     say = progress or (lambda line: print(f"export: {line}", file=sys.stderr, flush=True))
     recipe = load_run_recipe(run_dir, recipe_path, overrides)
@@ -91,7 +91,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, recipe
     check_layout(recipe, Path(recipe_path) if recipe_path else Path(run_dir) / RECIPE_FILE, meta, ckpt)
     check_out(Path(out), overwrite, Path(run_dir))
     try:
-        model_path = resolve_model(recipe.policy.model_name)
+        model_path = resolve_policy_model(recipe.policy)
     except ValueError as err:
         raise ExportError(str(err)) from None
     # the export needs no reference policy: skip building one

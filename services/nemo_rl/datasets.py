@@ -78,6 +78,7 @@ def hub_dataset(name: str, key: str) -> HubDataset:
     if name in NEMO_RL_DATASETS:
         return NEMO_RL_DATASETS[name]
     if name in IMAGE_DATASETS:
-        raise ValueError(f"{name!r} is a vision-language dataset (Hub: {IMAGE_DATASETS[name]}): image rows are not "
-                         f"supported by Inflight's data path yet; expected one of {known_names()}")
+        raise ValueError(f"{name!r} is a vision-language dataset (Hub: {IMAGE_DATASETS[name]}): NeMo-RL's "
+                         f"vision-language datasets are not translated (Inflight reads images from its own "
+                         f"data.image_key rows: docs/multimodal.md); expected one of {known_names()}")
     raise ValueError(f"{name!r} is not a NeMo-RL dataset Inflight knows; expected one of {known_names()}")

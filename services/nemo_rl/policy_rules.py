@@ -215,22 +215,6 @@ def stop_token_ids(value: Any, src: Source) -> list | Skip:
     return []
 
 
-def hf_config_overrides(value: Any, src: Source) -> list | Skip:
-    """``policy.hf_config_overrides``: Inflight does not patch the model's config; accepted when the model's
-    ``config.json`` already has every value."""
-    overrides = src.get("policy.hf_config_overrides") or {}
-    for field, want in overrides.items():
-        key = f"policy.hf_config_overrides.{field}"
-        cfg = model_config(src, key)
-        if cfg is None:
-            return Skip(DEFERRED)
-        have = cfg.get(field)
-        if have != want:
-            raise TranslationError(key, f"{want!r}: Inflight does not apply hf_config_overrides, and the model's "
-                                        f"config.json has {field} = {have!r}; write the value there instead")
-    return []
-
-
 def engine_expert_parallel(value: Any, src: Source) -> list:
     """``vllm_cfg.expert_parallel_size``: NeMo-RL's vLLM EP is DP x TP over several engines' GPUs; an Inflight
     engine shards its experts over its own ``tensor_parallel_size`` GPUs, so only 1 or that size means the same."""
@@ -240,6 +224,15 @@ def engine_expert_parallel(value: Any, src: Source) -> list:
                                    f"({tp}) GPUs; NeMo-RL's expert_parallel_size > tensor_parallel_size spans "
                                    f"several engines, which is not supported; expected 1 or {tp}")
     return [("policy.generation.vllm_cfg.expert_parallel_size", value)]
+
+
+def engine_expert_parallel_switch(value: Any, src: Source) -> list:
+    """Older NeMo-RL recipes' ``vllm_cfg.enable_expert_parallel``: true shards an engine's experts over its
+    ``tensor_parallel_size`` GPUs (vLLM's ``enable_expert_parallel``), false does not."""
+    if not isinstance(value, bool):
+        raise TranslationError("", f"expected true or false, got {value!r}")
+    tp = src.get("policy.generation.vllm_cfg.tensor_parallel_size", 1)
+    return [("policy.generation.vllm_cfg.expert_parallel_size", tp if value else 1)]
 
 
 def same_as(other: str, why: str):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.recipe_paths import ResolvedPath
+
 Path = str
 """A dotted key path, e.g. ``policy.megatron_cfg.scheduler.lr_warmup_iters``."""
 
@@ -131,6 +133,9 @@ class TranslationReport:
     """Keys whose value Inflight cannot honour (only with ``translate(strict=False)``; otherwise the first raises)."""
     leaves: int = 0
     """Leaf keys of the source recipe."""
+    resolved: list[ResolvedPath] = field(default_factory=list)
+    """Relative paths found from the recipe file's directory, not the current one (set by the recipe loader;
+    ``inflight validate``/``run``/``attach`` print one line each)."""
 
     def counts(self) -> dict[str, int]:
         """Leaf keys of the source and how many were kept, mapped (counted once per source key), ignored, unknown."""

@@ -125,7 +125,8 @@ def _dataset(b: Block, out: Resolved) -> dict[Path, tuple[Any, Path]]:
 
     name, processor = b.get("dataset_name"), b.get("processor", "default")
     if processor not in MATH_PROCESSORS:
-        why = "image rows are not supported by Inflight's data path yet" if processor == "vlm_hf_data_processor" \
+        why = "NeMo-RL's vision-language processor is not translated (Inflight reads images from its own " \
+              "data.image_key rows: docs/multimodal.md)" if processor == "vlm_hf_data_processor" \
             else "Inflight's rows become prompts one way (math_hf_data_processor's)"
         raise TranslationError(b.at("processor"), f"{processor!r}: {why}; expected one of "
                                                   f"{', '.join(MATH_PROCESSORS)}")
@@ -256,6 +257,14 @@ def _max_input(value: Any, src: Source) -> list[tuple[Path, Any]]:
     return [("data.max_input_seq_length", value - 1)]
 
 
+def _add_system_prompt(value: Any, src: Source) -> list[tuple[Path, Any]]:
+    """Older NeMo-RL recipes' ``data.add_system_prompt``: whether prompts get a system turn. Inflight gives one
+    exactly when ``data.system_prompt_file`` is set, so ``false`` means no system prompt file."""
+    if not isinstance(value, bool):
+        raise TranslationError("data.add_system_prompt", f"expected true or false, got {value!r}")
+    return [] if value else [("data.system_prompt_file", None)]
+
+
 ENV_NAMES = ("math", "math_default", "math_multi_reward", "code", "code_jaccard", "reward_model", "vlm", "nemo_gym",
              "clevr-cogent", "geometry3k", "refcoco")
 """NeMo-RL's registered environments (``ENV_REGISTRY``) and its VLM task names, which its recipes name as
@@ -286,9 +295,22 @@ def _env_leaf(name: str, key: str, value: Any, src: Source) -> list[tuple[Path, 
                                  f"{'null' if key == 'stop_strings' else 'null or math'})")
 
 
+SCRIPT_ENVS = {"sliding_puzzle_game": "NeMo-RL's sliding-puzzle game (SlidingPuzzleEnv), which its own script "
+                                       "examples/run_grpo_sliding_puzzle.py builds together with the puzzles it "
+                                       "generates (no dataset names it)"}
+"""``env.<name>`` sections that a NeMo-RL example script plays with data it generates itself: the recipe is not a
+dataset's, and Inflight has neither the environment nor the data."""
+
+
 def _env_other(value: Any, src: Source) -> list[tuple[Path, Any]]:
-    """A section or key the generated rules do not name: an error if the data uses it, else ignored."""
+    """A section or key the generated rules do not name: an error if the data uses it or a NeMo-RL script plays it
+    (:data:`SCRIPT_ENVS`), else ignored."""
     used = resolve(src).envs
+    for name in src.get("env") or {}:
+        if name in SCRIPT_ENVS:
+            raise TranslationError(f"env.{name}", f"{SCRIPT_ENVS[name]}: Inflight has no such environment; write "
+                                                  f"the game as env.<name>.environment with its puzzles as data "
+                                                  f"(docs/environments.md)")
     for name, section in (src.get("env") or {}).items():
         if name not in used:
             continue
@@ -303,7 +325,7 @@ def _env_other(value: Any, src: Source) -> list[tuple[Path, Any]]:
 
 
 def _env_rules() -> dict[Path, Rule]:
-    unused = "an env section no dataset names (data env_name): NeMo-RL does not create it either"
+    unused = "an env section no dataset names (data env_name): NeMo-RL's run_grpo.py does not create it either"
     rules: dict[Path, Rule] = {"env.*": Derive(_env_other, unused)}
     for name in ENV_NAMES:
         for key in ENV_KEYS:
@@ -329,6 +351,8 @@ DATA_RULES: dict[Path, Rule] = _nemo_rl_only({
     "data.num_workers": Ignore("NeMo-RL's DataLoader worker processes; Inflight reads rows memory-mapped and "
                                "tokenizes each one when it is drawn, in the job's process"),
     "data.use_multiple_dataloader": NeutralOnly((False,), "one dataloader per dataset: Inflight trains on one set"),
+    "data.add_system_prompt": Derive(_add_system_prompt, "true: a system turn from data.system_prompt_file when it "
+                                                         "is set, as Inflight always does"),
     **_env_rules(),
 })
 """Rules for NeMo-RL's ``data.*`` and ``env.*`` keys."""

@@ -23,6 +23,8 @@ KERNEL = "a kernel or fusion choice: speed only"
 LAYOUT = ("a parallel layout Inflight's learner does not use: memory/speed only (the GPUs serve as data parallel "
           "instead; a sequence must fit on one GPU)")
 LOGGING = "logging only"
+VLM_DATA = ("NeMo-RL's vision-language data path (processor, datasets) is not translated; Inflight trains on images "
+            "from its own data.image_key rows (docs/multimodal.md)")
 NEMO_IO = "NeMo-RL's own process, port or transfer plumbing; Inflight has its own"
 MICRO_BATCH = ("micro-batch size: memory/speed only (the loss is normalised over the whole step); Inflight packs "
                "policy.sequence_packing.train_mb_tokens tokens per micro-batch, or one sequence each when packing "
@@ -154,6 +156,8 @@ GENERATION: dict[str, Rule | None] = {
     f"{V}.expert_parallel_size": When(d.nemo_rl, Derive(d.engine_expert_parallel, "1 or tensor_parallel_size"), None,
                                       "checked in a NeMo-RL recipe"),
     f"{V}.async_engine": Ignore("Inflight's engines are always vLLM's async engine"),
+    f"{V}.enable_expert_parallel": Derive(d.engine_expert_parallel_switch, "older NeMo-RL recipes' switch: false "
+                                                                           "is an engine without expert parallelism"),
     f"{V}.kv_cache_dtype": off("auto", "a quantised KV cache changes the log-probs"),
     f"{V}.logprobs_mode": off(("processed_logprobs", "raw_logprobs"),
                               "the same log-probs at temperature 1, top_p 1, top_k null (checked)"),
@@ -179,18 +183,13 @@ TOP: dict[str, Rule | None] = {
     "generation_batch_size": Ignore("batch size of NeMo-RL's non-vLLM generation backends"),
     "make_sequence_length_divisible_by": Ignore("padding for tensor/sequence-parallel kernels: " + MEMORY),
     "refit_buffer_size_gb": Ignore(NEMO_IO),
-    "tokenizer.name": Derive(d.same_as(f"{P}.model_name", "Inflight loads the tokenizer from policy.model_name; "
-                                                          "set policy.tokenizer.name to the same"),
-                             "the same as policy.model_name"),
     "tokenizer.chat_template": off("default", "Inflight applies the model's own chat template"),
     "tokenizer.chat_template_kwargs": off((None, {}), "Inflight applies the chat template without extra arguments"),
     "tokenizer.chat_template_kwargs.*": off((), "Inflight applies the chat template without extra arguments"),
     "tokenizer.use_fastokens": Ignore("a faster tokenizer implementation: speed only"),
-    "tokenizer.use_processor": off(False, "multimodal processors are not supported yet (issue 19)"),
+    "tokenizer.use_processor": off(False, VLM_DATA),
     **each(off((), "audio/video inputs are not supported"), "tokenizer.audio.*", "tokenizer.video.*"),
-    "is_vlm": off(False, "vision-language models are not supported yet (issue 19)"),
-    "hf_config_overrides": Ignore("no overrides of the model's config.json"),
-    "hf_config_overrides.*": Derive(d.hf_config_overrides, "no effect: the model's config.json has these values"),
+    "is_vlm": off(False, VLM_DATA),
     "dynamic_batching.*": Ignore("length-sorted micro-batches: " + MEMORY),
     **each(Ignore(MEMORY), "sequence_packing.logprob_mb_tokens", "sequence_packing.algorithm",
            "sequence_packing.microbatch_order", "sequence_packing.sequence_length_round"),

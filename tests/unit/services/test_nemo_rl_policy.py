@@ -86,11 +86,8 @@ def test_megatron_clip_grad_follows_its_own_key_not_max_grad_norm(dense):
     (MEGATRON, ["policy.generation.val_top_p=0.9"], "policy.generation.val_top_p", "differs from"),
     (MEGATRON, ["policy.generation.vllm_kwargs.compilation_config.backend=eager"],
      "policy.generation.vllm_kwargs.compilation_config.backend", "vllm_cfg only"),
-    (MEGATRON, ["policy.tokenizer.name=other/tokenizer"], "policy.tokenizer.name", "differs from policy.model_name"),
     (MEGATRON, ["policy.tokenizer.chat_template_kwargs={enable_thinking: true}"],
      "policy.tokenizer.chat_template_kwargs.enable_thinking", "without extra arguments"),
-    (MEGATRON, ["policy.hf_config_overrides.rope_theta=1e6"], "policy.hf_config_overrides.rope_theta",
-     "config.json has rope_theta = None"),
     (MEGATRON, ["policy.generation.stop_token_ids=[7]"], "policy.generation.stop_token_ids", "would end answers"),
 ])
 def test_settings_that_change_training_are_errors_naming_the_key(dense, recipe, overrides, key, words):
@@ -100,10 +97,8 @@ def test_settings_that_change_training_are_errors_naming_the_key(dense, recipe, 
 
 
 def test_settings_that_change_nothing_on_this_model_are_ignored(dense):
-    _, report = load(MEGATRON, dense, "policy.generation.stop_token_ids=[5, 128009]",
-                     "policy.hf_config_overrides.max_position_embeddings=16384")
+    _, report = load(MEGATRON, dense, "policy.generation.stop_token_ids=[5, 128009]")
     assert "end-of-sequence ids" in why(report, "policy.generation.stop_token_ids")
-    assert "config.json has these values" in why(report, "policy.hf_config_overrides.max_position_embeddings")
     assert "a kernel or fusion choice" in why(report, "policy.megatron_cfg.apply_rope_fusion")
     assert "memory/speed only" in why(report, "policy.megatron_cfg.sequence_parallel")
     assert "policy.sequence_packing.train_mb_tokens" in why(report, "policy.train_micro_batch_size")
@@ -149,3 +144,14 @@ def test_engine_expert_parallelism_must_stay_inside_one_engine(dense):
     with pytest.raises(RecipeError, match="spans several engines") as err:
         load(MEGATRON, dense, *base, "policy.generation.vllm_cfg.expert_parallel_size=4")
     assert err.value.path == "policy.generation.vllm_cfg.expert_parallel_size"
+
+
+def test_a_separate_tokenizer_and_config_overrides_are_kept_with_their_meaning(dense, tmp_path):
+    """Issue 32.7: ``policy.tokenizer.name`` other than the model and ``policy.hf_config_overrides`` were refused;
+    they are NeMo-RL's keys with the same meaning here (the run's model directory applies them:
+    tests/unit/services/test_model_variant.py)."""
+    r, report = load(MEGATRON, dense, f"policy.tokenizer.name={tmp_path}",
+                     "policy.hf_config_overrides={rope_theta: 1000000.0, rope_scaling: {type: yarn, factor: 4.0}}")
+    assert r.policy.tokenizer.name == str(tmp_path)
+    assert r.policy.hf_config_overrides == {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    assert not [i for i in report.ignored if i.source.startswith(("policy.tokenizer.name", "policy.hf_config"))]
