@@ -152,6 +152,7 @@ def register() -> None:
         found = kernels(backend)
         return [experts, *found] if backend == unquantized.UnquantizedMoeBackend.CPU else found
 
+    allow_non_gated.__wrapped__ = post_init  # pyright: ignore[reportFunctionMemberAccess]
     with_torch_experts.inflight_non_gated = True  # pyright: ignore[reportFunctionMemberAccess]
     config.FusedMoEConfig.__post_init__ = allow_non_gated
     unquantized.backend_to_kernel_cls = with_torch_experts

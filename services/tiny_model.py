@@ -4,9 +4,9 @@ No hub access: the tokenizer is a byte-level BPE (Qwen's pre-tokenizer regex,
 a few hundred tokens, a ChatML chat template that shows ``tools`` and ``tool``
 messages as Qwen2.5's does) trained on a small synthetic
 corpus, and the model is a random init of a real architecture (``ARCHS``: Qwen2,
-Qwen3, Llama 2 and 3.x, Mistral, Qwen3-MoE; its ``config.json`` carries the keys
-of the family's published one, at reduced sizes) saved with ``save_pretrained``
-as safetensors. Everything is
+Qwen3, Llama 2 and 3.x, Mistral, Qwen3-MoE, Nemotron-H dense and MoE hybrids; its
+``config.json`` carries the keys of the family's published one, at reduced sizes)
+saved with ``save_pretrained`` as safetensors. Everything is
 deterministic for a given seed, so tests and the embedded default can rebuild
 the same model anywhere.
 

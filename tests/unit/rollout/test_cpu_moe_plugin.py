@@ -83,3 +83,32 @@ def test_register_puts_the_torch_experts_first_on_cpu_only_once():
     assert "CPUUnquantizedExperts" in [c.__name__ for c in cpu[1:]]  # gated models keep vLLM's kernels
     triton = unquantized.backend_to_kernel_cls(unquantized.UnquantizedMoeBackend.TRITON)
     assert "TorchNonGatedExperts" not in [c.__name__ for c in triton]
+
+
+def test_the_swallowed_refusal_is_the_last_statement_of_vllms_post_init():
+    """The plugin lets a non-gated config through by swallowing vLLM's refusal; that is only sound while the
+    refusal is the last thing ``FusedMoEConfig.__post_init__`` does (nothing after it is skipped)."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    register()
+    original = getattr(FusedMoEConfig.__post_init__, "__wrapped__", FusedMoEConfig.__post_init__)
+    body = [line.strip() for line in inspect.getsource(original).splitlines() if line.strip()]
+    refusal = next(i for i, line in enumerate(body) if "is_act_and_mul=False is supported only for" in line)
+    assert body[refusal + 1:] == [")"], body[refusal - 4:]
+
+
+def test_register_does_nothing_off_cpu(monkeypatch):
+    from vllm.model_executor.layers.fused_moe import config
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized
+    from vllm.platforms import current_platform
+
+    def kernels(backend):
+        return []
+
+    post_init = config.FusedMoEConfig.__post_init__
+    monkeypatch.setattr(unquantized, "backend_to_kernel_cls", kernels)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    register()
+    assert unquantized.backend_to_kernel_cls is kernels and config.FusedMoEConfig.__post_init__ is post_init
