@@ -12,7 +12,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from services import console, ray_runtime
+from services import console, ray_runtime, startup_progress
 from services import pool as pool_api
 from services.config import Recipe
 from services.job.learner_actor import LearnerGroup
@@ -34,8 +34,10 @@ def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
 
 
 def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
-    model_path = resolve_policy_model(recipe.policy)
-    return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # raises PoolStartError if not ready
+    n = recipe.rollout_pool.num_engines
+    with startup_progress.phase(f"starting the rollout pool ({n} engine{'s' if n > 1 else ''}; vLLM loads the model)"):
+        model_path = resolve_policy_model(recipe.policy)
+        return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # PoolStartError if not ready
 
 
 def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
@@ -47,10 +49,12 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
 
     model_path = resolve_policy_model(recipe.policy)
     save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from
-    handle = pool_api.connect(pool_name)
-    learner = LearnerGroup(recipe, model_path,
-                           colocation=handle.colocation_group.remote().result(timeout_s=60))
-    job = LearnerJob(recipe, model_path, handle, learner, run_dir, resume=resume)
+    with startup_progress.phase("starting the learner (Megatron ranks, data, checkpoint)"):
+        handle = pool_api.connect(pool_name)
+        learner = LearnerGroup(recipe, model_path,
+                               colocation=handle.colocation_group.remote().result(timeout_s=60))
+        job = LearnerJob(recipe, model_path, handle, learner, run_dir, resume=resume)
+    startup_progress.note("training: the first prompts go to the pool; the progress bar follows")
     try:
         if recipe.grpo.async_grpo.enabled:
             run_async(job)
@@ -76,7 +80,8 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
 def run_embedded(recipe: Recipe, run_dir: Path, resume: bool = False) -> Path:
     """``inflight run``: local Ray + pool + learner on this machine, torn down at the end; with ``resume``, the
     learner continues from the run directory's latest checkpoint (:mod:`services.run_resume` decides)."""
-    ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
+    with startup_progress.phase("starting Ray" if not os.environ.get("RAY_ADDRESS") else "connecting to Ray"):
+        ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:
         # The pool first, the learner once it is ready: with rollout_pool.share_gpu the two share one GPU, and
         # vLLM sizes its KV cache from the device's free memory as it profiles at start-up (and refuses to start

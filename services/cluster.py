@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services import cluster_auth, cluster_procs
+from services import cluster_auth, cluster_procs, startup_progress
 from services.cluster_auth import ClusterConnectError
 
 log = logging.getLogger("inflight.cluster")
@@ -79,8 +79,9 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
            f"--dashboard-agent-listen-port={agent_port}",
            "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                             env=cluster_auth.head_env(token))
+        with startup_progress.phase("starting a Ray head node (ray start --head)"):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                                 env=cluster_auth.head_env(token))
         failed = f"exited {out.returncode}" if out.returncode != 0 else ""
         output = f"{out.stdout}\n{out.stderr}"
     except subprocess.TimeoutExpired as err:

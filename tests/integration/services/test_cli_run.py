@@ -1,10 +1,11 @@
 """`inflight run` end to end, as `make run` calls it: its own local Ray, pool, learner, teardown; and its console.
 
 The console is quiet: Inflight's own lines only (at most 40 for a run without warnings, stdout and stderr
-together), the Ray, Serve and vLLM logs in RUN_DIR/logs; ``--verbose`` prints them as well. An error inside an
-actor still reaches the quiet console, attributed: checked with a pool whose engine cannot load its reward
-function (it fails in ~20 s; the function imports in the command itself, or the recipe check would refuse it before
-anything starts), and (slow) with a learner rank whose checkpoint cannot be written.
+together, the start-up phases' lines included), the Ray, Serve and vLLM logs in RUN_DIR/logs; ``--verbose``
+prints them as well. An error inside an actor still reaches the quiet console, attributed: checked with a pool
+whose engine cannot load its reward function (it fails in ~20 s; the function imports in the command itself, or
+the recipe check would refuse it before anything starts), and (slow) with a learner rank whose checkpoint cannot
+be written.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ ROTATE_AT = 8192
 LIBRARY_INFO = ("Got updated endpoints", "Started a local Ray instance", "Initializing a V1 LLM engine",
                 "Loading safetensors checkpoint shards", "Apex is not installed")
 """Lines Ray, Serve, vLLM and Megatron print at every start (before the console was quiet: 721 lines in all)."""
+
+
+STARTUP_PHASES = ["starting Ray", "starting the rollout pool", "starting the learner",
+                  "training: the first prompts go to the pool"]
+"""The start-up lines `inflight run` prints (with the seconds since it started) before the progress bar."""
 
 
 def inflight_run(run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -74,6 +80,10 @@ def test_inflight_run_two_steps_prints_its_own_lines_and_files_the_libraries_log
     lines = console_lines(out)
     assert len(lines) <= MAX_CONSOLE_LINES, "\n".join(lines)
     assert not [ln for ln in lines if any(s in ln for s in LIBRARY_INFO)], "\n".join(lines)
+    phases = [m.groups() for ln in out.stderr.splitlines() if (m := re.match(r"^\[\s*([\d.]+) s\] ([^(;]+)", ln))]
+    assert [what.strip() for _, what in phases] == STARTUP_PHASES, out.stderr  # issue 33.8: start-up is not silent
+    seconds = [float(t) for t, _ in phases]
+    assert seconds == sorted(seconds) and seconds[-1] > seconds[0], phases
     assert f"logs: {tmp_path / 'logs'}" in out.stdout
     logs = tmp_path / "logs"
     assert "Started a local Ray instance" in (logs / "driver.log").read_text()
@@ -116,7 +126,8 @@ def test_an_engine_that_fails_inside_its_actor_reaches_the_quiet_console_attribu
     assert lines[-1].startswith("inflight: rollout pool 'inflight-pool' did not start: "), "\n".join(lines)
     assert "engine inflight-pool-engine-0" in lines[-1] and "no_such_reward_module" in lines[-1], "\n".join(lines)
     assert "Traceback" not in out.stderr, "\n".join(lines)
-    assert len(lines) <= 4, "\n".join(lines)
+    others = [ln for ln in lines if not re.match(r"^\[\s*[\d.]+ s\] ", ln)]  # besides the start-up phases' lines
+    assert len(others) <= 4, "\n".join(lines)
 
 
 def test_verbose_prints_the_libraries_logs_too(tmp_path):

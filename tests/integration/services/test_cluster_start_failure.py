@@ -1,11 +1,12 @@
 """Issue 32.9: a ``ray start --head`` that fails (here: the dashboard port ``pool deploy`` picked is taken) leaves
 no process behind (before: gcs_server and the dashboard's processes kept running, unrecorded, so `pool shutdown
---stop-cluster` could not stop them) and is one line on the console (before: a traceback holding Ray's own);
-Ray's output goes to RUN_DIR/logs/driver.log. The CLI runs as a subprocess, with its port picker patched so that
-the dashboard's port is one this test listens on."""
+--stop-cluster` could not stop them) and is one line on the console (before: a traceback holding Ray's own), after
+the start-up phase's line; Ray's output goes to RUN_DIR/logs/driver.log. The CLI runs as a subprocess, with its
+port picker patched so that the dashboard's port is one this test listens on."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -63,10 +64,11 @@ def test_a_head_that_fails_to_start_leaves_nothing_and_says_why_in_one_line(tmp_
                     continue
             shutil.rmtree(temp_root, ignore_errors=True)
     assert out.returncode == 2, out.stderr[-3000:]
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert lines[0].startswith("inflight: could not start a Ray head node (`ray start --head` exited 1): ")
-    assert "already occupied" in lines[0], lines[0]
+    lines = out.stderr.strip().splitlines()  # the start-up phase's line, then the error's
+    assert len(lines) == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert re.match(r"^\[\s*[\d.]+ s\] starting a Ray head node \(ray start --head\)$", lines[0]), lines[0]
+    assert lines[1].startswith("inflight: could not start a Ray head node (`ray start --head` exited 1): ")
+    assert "already occupied" in lines[1], lines[1]
     assert left == [], f"processes of the failed head remain: {left}"
     assert not (home / "cluster.json").exists() and not (home / "ray_auth_token").exists()
     assert "Failed to bind" in (run_dir / "logs" / "driver.log").read_text()  # Ray's whole output, filed
