@@ -84,8 +84,9 @@ def _scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None,
 
     def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, _ = gpt.output_layer(h, weight=weight)  # [c, 1, V_local]
-        lp = -vocab_parallel_cross_entropy(logits, t).reshape(-1).float()
+        # first: the cross entropy below works in place on fp32 logits
         ent = vocab_parallel_entropy(logits.detach().reshape(-1, logits.shape[-1]), tp_group) if entropy else None
+        lp = -vocab_parallel_cross_entropy(logits, t).reshape(-1).float()
         return lp, ent
 
     total = hidden.shape[0]

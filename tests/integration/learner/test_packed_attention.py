@@ -86,6 +86,13 @@ def test_boundaries_and_chunks_equal_the_dense_mask(family, family_models):
         for mb, (lp0, _, _) in zip(mbs, dense, strict=True):
             torch.testing.assert_close(token_logprobs(models["flex"], mb), lp0, atol=TOL, rtol=TOL)
     _assert_close(_scores(models["sdpa"], mbs, chunk=7), dense, "sdpa, chunks of 7 vs dense mask, whole row")
+    # the entropy is that of the model's logits (computed before the cross entropy, which works in place)
+    from learner.attention import packed_row
+    with torch.no_grad():
+        logits = models["sdpa"](mbs[0].tokens, mbs[0].position_ids, None,
+                                packed_seq_params=packed_row(mbs[0].blocks, mbs[0].tokens.device))[0]
+        logp = logits.float().log_softmax(-1)
+    torch.testing.assert_close(dense[0][1], -(logp.exp() * logp).sum(-1), atol=TOL, rtol=TOL)
     # the packed row scores each sequence as if alone
     from learner.packing import build_micro_batch
     alone = build_micro_batch([mbs[0].tokens[0].numpy()[: mbs[0].segments[0].length]], [0])
