@@ -4,8 +4,9 @@ Every group the job accepts from the pool (buffered, or dropped later for too fe
 sampling) and every prompt whose generation failed as a whole is recorded here as it arrives: one line per
 (group, kind, reason) with the number of samples that failed so, and counts for the next step row:
 ``failed_samples`` (all failed samples received since the last row, whatever became of their groups) and
-``failed_samples_<kind>`` for each kind of :data:`protocol.FAILURE_KINDS`. The lines are appended; after a resume
-a prompt generated again is recorded again.
+``failed_samples_<kind>`` for each kind of :data:`protocol.FAILURE_KINDS`. Validation's failed answers are recorded
+too (``val:`` prompt ids, ``step`` the step validated at) and counted in the row's ``val_failed_samples`` instead.
+The lines are appended; after a resume a prompt generated again is recorded again.
 """
 from __future__ import annotations
 
@@ -55,20 +56,23 @@ class FailureLog:
         """Failed samples by kind since the last :meth:`take_counts`."""
         self._failed_writing = False
 
-    def group(self, group: TrajectoryGroup) -> list[FailureRecord]:
-        """Record the failed samples of ``group``, one line per (kind, reason); returns the lines."""
+    def group(self, group: TrajectoryGroup, step: int | None = None, count: bool = True) -> list[FailureRecord]:
+        """Record the failed samples of ``group`` (at ``step``, default its scheduled step), one line per (kind,
+        reason), counted for the next row unless not ``count`` (validation); returns the lines."""
         by_reason = Counter((t.failure_kind or UNKNOWN, t.error) for t in group.trajectories if not t.ok)
-        records = [FailureRecord(group.scheduled_step, group.prompt_id, kind, reason[:MAX_REASON_CHARS], n,
-                                 self.source, group.group_id, group.engine_id)
+        records = [FailureRecord(group.scheduled_step if step is None else step, group.prompt_id, kind,
+                                 reason[:MAX_REASON_CHARS], n, self.source, group.group_id, group.engine_id)
                    for (kind, reason), n in sorted(by_reason.items())]
-        self._write(records)
+        self._write(records, count)
         return records
 
-    def prompt(self, prompt_id: str, step: int, reason: str, engine_id: str = "") -> FailureRecord:
-        """Record a prompt whose generation failed as a whole (no group came): ``group_size`` failed samples."""
-        record = FailureRecord(step, prompt_id, "generation", reason[:MAX_REASON_CHARS], self.group_size,
-                               self.source, "", engine_id)
-        self._write([record])
+    def prompt(self, prompt_id: str, step: int, reason: str, engine_id: str = "", samples: int | None = None,
+               count: bool = True) -> FailureRecord:
+        """Record a prompt whose generation failed as a whole (no group came): ``samples`` (default
+        ``group_size``) failed samples, counted unless not ``count``."""
+        record = FailureRecord(step, prompt_id, "generation", reason[:MAX_REASON_CHARS],
+                               self.group_size if samples is None else samples, self.source, "", engine_id)
+        self._write([record], count)
         return record
 
     def take_counts(self) -> dict[str, int]:
@@ -79,9 +83,9 @@ class FailureLog:
         self.counts = Counter()
         return out
 
-    def _write(self, records: list[FailureRecord]) -> None:
+    def _write(self, records: list[FailureRecord], count: bool = True) -> None:
         for r in records:
-            self.counts[r.kind] += r.samples
+            self.counts[r.kind] += r.samples if count else 0
         if not records or self.path is None or self._failed_writing:
             return
         try:

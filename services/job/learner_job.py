@@ -82,7 +82,7 @@ class LearnerJob:
         self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled, recipe.logger, recipe.model_dump(mode="json"))
         self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
         self.saved_step = 0  # the step of the last checkpoint this job wrote
-        self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool) \
+        self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool, self.book.failures) \
             if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
             self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now

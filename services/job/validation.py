@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import PromptRequest, TrajectoryGroup, decode, encode
+from services.job.failures import FailureLog
 
 if TYPE_CHECKING:
     from services.config import Recipe
@@ -84,8 +85,11 @@ def validation_metrics(rewards: list[list[float | None]], k: int, seconds: float
 class Validator:
     """Runs validations of a job's prompts on its pool (``pool.evaluate``)."""
 
-    def __init__(self, recipe: Recipe, prompts: list[PromptRequest], pool: Any):
+    def __init__(self, recipe: Recipe, prompts: list[PromptRequest], pool: Any, failures: FailureLog | None = None):
+        """``failures`` records the reasons of failed answers (``RUN_DIR/failures.jsonl``; never in the training
+        counts)."""
         g, gen = recipe.grpo, recipe.policy.generation
+        self.failures = failures
         self.pool, self.pool_name, self.prompts = pool, recipe.rollout_pool.name, prompts
         self.batch_size, self.k, self.temperature = g.val_batch_size, g.val_num_generations, g.val_temperature
         self.period, self.at_start = g.val_period, g.val_at_start
@@ -108,6 +112,8 @@ class Validator:
             for start in range(0, len(self.prompts), self.batch_size):
                 batch = self.prompts[start:start + self.batch_size]
                 for group in self._evaluate(batch, step):
+                    if self.failures is not None:
+                        self.failures.group(group, step=step, count=False)
                     by_id[group.prompt_id] = [t.reward if t.finish_reason != "error" else None
                                               for t in group.trajectories]
                     versions.extend(int(t.sampled_versions.min()) for t in group.trajectories  # no env tokens
@@ -131,7 +137,11 @@ class Validator:
             raise RuntimeError(f"validation at step {step}: pool {self.pool_name!r} did not answer "
                                f"{len(batch)} prompts within {self.timeout_s + 30:.0f} s: "
                                f"{type(exc).__name__}: {exc}"[:800]) from exc
-        for failure in reply.get("failed", [])[:3]:
-            log.warning("validation at step %d: prompt %s failed on pool %r: %s", step, failure.get("prompt_id"),
-                        self.pool_name, failure.get("reason"))
+        for i, failure in enumerate(reply.get("failed", [])):
+            if i < 3:
+                log.warning("validation at step %d: prompt %s failed on pool %r: %s", step, failure.get("prompt_id"),
+                            self.pool_name, failure.get("reason"))
+            if self.failures is not None:
+                self.failures.prompt(str(failure.get("prompt_id")), step, str(failure.get("reason")),
+                                     str(failure.get("engine_id", "")), samples=self.k, count=False)
         return [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in reply["groups"]]

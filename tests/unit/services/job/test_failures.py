@@ -75,3 +75,32 @@ def test_a_generation_error_report_is_recorded_with_its_reason(monkeypatch, tmp_
     (line,) = [json.loads(x) for x in (tmp_path / "failures.jsonl").read_text().splitlines()]
     assert (line["prompt_id"], line["kind"], line["samples"], line["reason"]) == (
         pid, "generation", 2, "generation failed: EngineError: dead")
+
+
+def test_validations_failed_answers_are_on_record_but_not_in_the_training_counts(tmp_path):
+    from handle_fakes import ServeMethod
+
+    from protocol import PromptRequest, decode
+    from services.config import load_recipe
+    from services.job.validation import Validator
+
+    def evaluate(prompt_bytes, k, temperature, timeout_s):
+        ids = [decode(b, expect=PromptRequest).prompt_id for b in prompt_bytes]
+        return {"groups": [encode(env_failed_group(ids[0], step=0, failed=1))],
+                "failed": [{"prompt_id": ids[1], "reason": "evaluate on engine e1 failed: boom", "engine_id": "e1"}]}
+
+    class Pool:
+        pass
+
+    pool = Pool()
+    pool.evaluate = ServeMethod(evaluate)  # type: ignore[attr-defined]
+    log = FailureLog(tmp_path, "repeat_letter", group_size=8)
+    recipe = load_recipe(None, ["grpo.val_num_generations=2", "grpo.val_temperature=1.0"])
+    result = Validator(recipe, [PromptRequest(f"val:q{i}", [1, 2]) for i in range(2)], pool, log).run(5)
+    assert result.failed_samples == 3                                # 1 in q0's group, q1's 2 answers
+    lines = sorted((json.loads(x) for x in (tmp_path / "failures.jsonl").read_text().splitlines()),
+                   key=lambda x: x["prompt_id"])
+    assert [(x["step"], x["prompt_id"], x["kind"], x["samples"]) for x in lines] == [
+        (5, "val:q0", "environment", 1), (5, "val:q1", "generation", 2)]
+    assert lines[1]["reason"] == "evaluate on engine e1 failed: boom" and lines[1]["engine_id"] == "e1"
+    assert log.take_counts()["failed_samples"] == 0                  # the row's val_failed_samples has them
