@@ -238,7 +238,7 @@ class DirectLoad:
                         return "copy"
                 _plain_load(model, weights())
                 return "direct"
-            except Exception as exc:  # e.g. a push with other tensors than the proven ones: repair, stop trusting
+            except Exception as exc:  # noqa: BLE001 - e.g. a push with other tensors than the proven ones: repair, stop trusting
                 self.proven, self.plan = False, None
                 self.refused_reason = f"plain load_weights raised {type(exc).__name__} after being proven: {exc}"[:300]
                 reload(weights())
@@ -250,7 +250,7 @@ class DirectLoad:
         plain_error = ""
         try:
             _plain_load(model, weights())
-        except Exception as exc:  # the safe path below repairs whatever the plain load left
+        except Exception as exc:  # noqa: BLE001 - the safe path below repairs whatever the plain load left
             plain_error = f"plain load_weights raised {type(exc).__name__}: {exc}"[:300]
         plain = fingerprint(model, ignore)
         reload(weights())
@@ -279,7 +279,7 @@ class DirectLoad:
             marked = fingerprint(model, ignore)
             plan.install(dict(pushed))
             planned = fingerprint(model, ignore)
-        except Exception as exc:  # load_weights below restores every tensor the markers touched
+        except Exception as exc:  # noqa: BLE001 - load_weights below restores every tensor the markers touched
             plan, self.plan_refused_reason = None, f"{type(exc).__name__}: {exc}"[:300]
         _plain_load(model, weights())
         if plan is None:

@@ -35,7 +35,7 @@ def warm_up(names: Sequence[str]) -> None:
             _load(name)
             if name == "math_verify":
                 _load(name)([RewardInput("\\boxed{1}", [], {"answer": "1"})])
-        except Exception:  # noqa: BLE001, S112 - a load error is reported by the task that needs the function
+        except Exception:  # noqa: BLE001 - a load error is reported by the task that needs the function
             continue
 
 

@@ -299,7 +299,7 @@ class GroupSampler:
                                           streamed, request_id, images)
         except (SampleFailed, EngineDead):
             raise
-        except Exception as exc:  # noqa: BLE001 -- engine errors fail this attempt, with their text
+        except Exception as exc:  # engine errors fail this attempt, with their text
             if reason := self._dead_reason():
                 raise EngineDead(f"rollout engine {self.engine_id}: {reason}: {exc!r}") from exc
             raise SampleFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc

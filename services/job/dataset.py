@@ -167,7 +167,7 @@ def load_hub_rows(path: str, split: str | None, key: str, cache_dir: str | None 
         raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}) could not be loaded: "
                         f"{e}. It is read from the Hub when the run starts: it needs network access to the Hub, or "
                         f"a copy in the datasets cache (HF_DATASETS_CACHE, default under HF_HOME){offline}") from e
-    except Exception as e:  # noqa: BLE001 - a wrong split or a broken dataset: say which dataset it was
+    except Exception as e:  # a wrong split or a broken dataset: say which dataset it was
         raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}): "
                         f"{type(e).__name__}: {e}") from e
     if not isinstance(ds, datasets.Dataset):
@@ -208,7 +208,7 @@ def load_rows(path: str, key: str = "data.train_data_path", cache_dir: str | Non
     for f in files:
         try:
             part = datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir)
-        except Exception as e:  # noqa: BLE001 - datasets names neither file nor line: find them, say them
+        except Exception as e:  # datasets names neither file nor line: find them, say them
             raise DataError(_unreadable(key, f, builder, e)) from e
         parts.append(part)
         starts.append(n)

@@ -198,7 +198,7 @@ class ParityProbe:
                 per_engine[eid] = parity_stats(call.result(timeout_s=PROBE_TIMEOUT_S), mine)
             except ParityError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - an engine that went away meanwhile is skipped, else raised
+            except Exception as exc:  # an engine that went away meanwhile is skipped, else raised
                 now = engine_installs(self.pool).get(eid, EngineInstall(False, "gone", None))
                 if now.ready and now.generation == engines[eid].generation:
                     raise ParityError(f"parity probe: engine {eid} did not answer: {type(exc).__name__}: "

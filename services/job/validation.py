@@ -133,7 +133,7 @@ class Validator:
         try:
             reply = self.pool.evaluate.remote([encode(p) for p in batch], self.k, self.temperature,
                                               self.timeout_s).result(timeout_s=self.timeout_s + 30)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the pool's name and the bound
+        except Exception as exc:  # re-raised with the pool's name and the bound
             raise RuntimeError(f"validation at step {step}: pool {self.pool_name!r} did not answer "
                                f"{len(batch)} prompts within {self.timeout_s + 30:.0f} s: "
                                f"{type(exc).__name__}: {exc}"[:800]) from exc

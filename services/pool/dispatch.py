@@ -178,7 +178,7 @@ class Dispatcher:
             self.requeue(eid, batch, exc)
         except TaskCancelledError:  # shutdown_engines cancels running batches
             log.info("pool %s: batch of %d prompts on engine %s cancelled", self.name, len(batch.prompts), eid)
-        except Exception as exc:  # noqa: BLE001 - a bug (the engine reports per-prompt failures itself)
+        except Exception as exc:  # a bug (the engine reports per-prompt failures itself)
             log.exception("pool %s: batch of %d prompts on engine %s failed", self.name, len(batch.prompts), eid)
             cause = remote_cause(exc)  # its groups will not come: the learner drops them at once
             why = f"generate on engine {eid} failed: {type(cause).__name__}: {cause}"[:500]

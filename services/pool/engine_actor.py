@@ -170,7 +170,7 @@ class EngineActor:
                 dead, self.engine, self._started = self.engine, self._new_engine(), False
                 try:
                     await asyncio.wait_for(dead.shutdown(), 120)
-                except Exception:  # noqa: BLE001 - a dead engine's shutdown must not stop the restart
+                except Exception:  # a dead engine's shutdown must not stop the restart
                     log.exception("engine %s: shutting the dead vLLM engine down failed", self.engine_id)
             if not self._started:
                 await self.engine.start()
@@ -216,7 +216,7 @@ class EngineActor:
             log.warning("engine %s: %s; %d prompts of the batch go back to the pool", self.engine_id, exc,
                         len(pending))
             return undelivered, pending, str(exc)[:300]
-        except Exception as exc:  # noqa: BLE001 - reported per prompt below
+        except Exception as exc:  # reported per prompt below
             log.exception("engine %s: generation failed", self.engine_id)
             for pid, req in pending.items():
                 msg = ControlMessage("error", {"prompt_id": pid, "scheduled_step": req.scheduled_step,

@@ -252,7 +252,7 @@ class Fleet:
         except ScaleRequestError:
             outcome = "refused"
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug: named, counted and raised as a failed request
+        except Exception as exc:  # a bug: named, counted and raised as a failed request
             log.exception("pool %s: scale to %d engines failed", self.name, engines)
             self.errors.append(f"scale to {engines} engines failed: {reason(exc)}"[:300])
             raise ScaleError(f"pool {self.name!r}: scale to {engines} engines failed: {reason(exc)}",

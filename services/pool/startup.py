@@ -92,7 +92,7 @@ async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | No
         return await asyncio.wait_for(engine.start.remote(), timeout_s)
     except TimeoutError:
         raise PoolStartError(f"engine {eid} did not start within {timeout_s:g} s{_asks(recipe)}") from None
-    except Exception as exc:  # noqa: BLE001 - named and re-raised
+    except Exception as exc:  # named and re-raised
         raise PoolStartError(f"engine {eid} did not start: {reason(exc)}") from exc
 
 

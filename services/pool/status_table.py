@@ -26,14 +26,14 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fmt_seconds(s: Any) -> str:
     """``1.23s`` / ``45ms``; ``-`` for None or a non-number."""
-    if not isinstance(s, (int, float)) or s != s:  # noqa: PLR0124 - NaN
+    if not isinstance(s, (int, float)) or s != s:  # NaN
         return NONE
     return f"{s * 1000:.0f}ms" if s < 1 else f"{s:.2f}s"
 
 
 def fmt_bytes(n: Any) -> str:
     """``1.5 MiB`` style; ``-`` for None or a non-number."""
-    if not isinstance(n, (int, float)) or n != n:  # noqa: PLR0124 - NaN
+    if not isinstance(n, (int, float)) or n != n:  # NaN
         return NONE
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -53,7 +53,7 @@ def fmt_duration(s: Any) -> str:
 
 
 def _value(v: Any, spec: str = "") -> str:
-    if v is None or (isinstance(v, float) and v != v):  # noqa: PLR0124 - NaN
+    if v is None or (isinstance(v, float) and v != v):  # NaN
         return NONE
     return format(v, spec) if spec and isinstance(v, (int, float)) else str(v)
 
