@@ -54,6 +54,8 @@ class Sample:
     optimizer step trains it (:func:`split`)."""
     images: ImageInputs | None = None
     """The images of its prompt (vision-language policies), or None."""
+    is_weight_scale: float = 1.0
+    """Factor of its tokens' importance weights: 0 for a sequence ``seq-mask-tis`` masked (learner.seq_filter)."""
 
     @property
     def num_trained(self) -> int:
@@ -189,12 +191,17 @@ def trained_positions(mb: MicroBatch, samples: list[Sample]) -> list[torch.Tenso
 def token_inputs(mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                  lp_ref: dict[int, torch.Tensor] | None, device: torch.device) -> TokenInputs:
     """The loss inputs of ``mb``'s trained tokens, in the order of :func:`trained_positions`: ``lp_prev`` and the
-    reference's log-probs (by sequence index) at those tokens, the engine's log-probs and the advantages."""
+    reference's log-probs (by sequence index) at those tokens, the engine's log-probs, the advantages and, where a
+    sequence is ``seq-mask-tis`` masked, the importance-weight factors."""
     idx = [seg.index for seg in mb.segments]
     lp_gen = torch.cat([torch.from_numpy(samples[i].lp_gen[samples[i].loss_mask]) for i in idx]).to(device)
     adv = torch.cat([torch.full((samples[i].num_trained,), samples[i].advantage) for i in idx]).to(device)
+    scale = None
+    if any(samples[i].is_weight_scale != 1.0 for i in idx):
+        scale = torch.cat([torch.full((samples[i].num_trained,), samples[i].is_weight_scale) for i in idx]).to(device)
     return TokenInputs(lp_prev=lp_prev, lp_gen=lp_gen, advantages=adv,
-                       lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None)
+                       lp_ref=torch.cat([lp_ref[i] for i in idx]) if lp_ref is not None else None,
+                       is_weight_scale=scale)
 
 
 def summary_stats(values: list[float], prefix: str) -> dict[str, float]:

@@ -121,8 +121,22 @@ class LossConfig(ConfigModel):
     truncated_importance_sampling_ratio_min: float | None = Field(default=None, ge=0.0)
     """Lower bound of the importance weight: tis clamps it from below (None: 0), icepop keeps weights in
     [ratio_min, c] (None: [1/c, c]). Needs ``truncated_importance_sampling_ratio``."""
-    truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
-    """tis: w = clamp(ratio, ratio_min, c). icepop: w = ratio inside [ratio_min, c], 0 outside (token masked)."""
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
+    """tis: w = clamp(ratio, ratio_min, c). icepop: w = ratio inside [ratio_min, c], 0 outside (token masked).
+    seq-mask-tis (NeMo-RL): a sequence whose geometric-mean ratio exp(mean_t log ratio) is outside
+    [ratio_min, c] gets w = 0 on every token (they stay in N); the others keep the raw, untruncated ratio.
+    Needs both bounds (NeMo-RL's reference: 0.999, 1.002)."""
+    geo_rs_ratio_max: float | None = Field(default=None, ge=1.0, le=100.0)
+    """Geometric rejection sampling (verl's ``rollout_rs: geometric``, ``rollout_rs_threshold``): a sequence whose
+    geometric-mean pi_prev / pi_gen lies above it is rejected, out of the loss and N (typical: 1.0002-1.001).
+    None: off."""
+    geo_rs_ratio_min: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Lower bound of geometric rejection sampling (verl's ``rollout_rs_threshold_lower``); None: 1 /
+    ``geo_rs_ratio_max``. Needs ``geo_rs_ratio_max``."""
+    opsm_delta: float | None = Field(default=None, ge=0.0, le=100.0)
+    """Off-policy sequence masking (slime/miles ``--opsm-delta``, DeepSeek-V3.2): a sequence with advantage < 0
+    whose mean log(pi_gen / pi_prev) over its trained tokens exceeds it is rejected, out of the loss and N
+    (slime's example: 1e-4). None: off."""
     force_on_policy_ratio: bool = False
     """pi_prev := pi_theta, detached: the ratio is exactly 1 and the clip never binds (NeMo-RL). Needs one
     optimizer step per rollout batch (``policy.train_global_batch_size`` None or the whole batch), where
@@ -144,6 +158,16 @@ class LossConfig(ConfigModel):
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
                              f"truncated_importance_sampling_ratio ({hi})")
+        if self.truncated_importance_sampling_type == "seq-mask-tis" and (lo is None or hi is None):
+            raise ValueError(f"truncated_importance_sampling_type seq-mask-tis needs both bounds of the geometric-mean "
+                             f"ratio, got truncated_importance_sampling_ratio_min {lo} and "
+                             f"truncated_importance_sampling_ratio {hi} (NeMo-RL's reference: 0.999 and 1.002)")
+        if self.truncated_importance_sampling_type == "seq-mask-tis" and not self.use_importance_sampling_correction:
+            raise ValueError("truncated_importance_sampling_type seq-mask-tis needs use_importance_sampling_correction "
+                             "true (NeMo-RL refuses it too)")
+        if self.geo_rs_ratio_min is not None and self.geo_rs_ratio_max is None:
+            raise ValueError(f"geo_rs_ratio_min ({self.geo_rs_ratio_min}) needs geo_rs_ratio_max (None: geometric "
+                             f"rejection sampling is off)")
         return self
 
 
@@ -216,6 +240,10 @@ class TrainStepConfig(ConfigModel):
     overlong_filtering: bool = False
     """Samples with ``finish_reason == "length"`` keep their reward in the group's baseline but contribute
     no token to the loss."""
+    seq_logprob_error_threshold: float | None = Field(default=None, ge=1.0)
+    """NeMo-RL's sequence-level log-prob error masking: a sequence whose mean exp(|log pi_prev - log pi_gen|)
+    over its trained tokens (``token_mult_prob_error`` per sequence) exceeds it keeps its reward in the group's
+    baseline but contributes no token to the loss or N (NeMo-RL's Nemotron recipes: 2). None: off."""
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     """``grpo.reward_scaling``."""
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)

@@ -83,13 +83,14 @@ def reference_kl(lp: torch.Tensor, lp_ref: torch.Tensor, cfg: LossConfig) -> tor
 
 def importance_weights(lp_prev: torch.Tensor, lp_gen: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """w = π_prev/π_gen, clamped to [ratio_min or 0, c] ("tis") or zeroed outside [ratio_min or 1/c, c]
-    ("icepop"); untruncated when c is None; 1 when off. A non-finite weight stays non-finite, so that the step
+    ("icepop"); untruncated when c is None or with "seq-mask-tis" (whose masking is per sequence,
+    :mod:`learner.seq_filter`); 1 when off. A non-finite weight stays non-finite, so that the step
     is skipped and reported (NeMo-RL's ``nan_to_num`` would train on it as 0)."""
     if not cfg.use_importance_sampling_correction:
         return torch.ones_like(lp_prev)
     ratio = torch.exp(lp_prev - lp_gen)
     c, low = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
-    if c is None:
+    if c is None or cfg.truncated_importance_sampling_type == "seq-mask-tis":
         return ratio
     if cfg.truncated_importance_sampling_type == "tis":
         return torch.clamp(ratio, min=0.0 if low is None else low, max=c)
@@ -105,6 +106,8 @@ class TokenInputs:
     lp_gen: torch.Tensor
     advantages: torch.Tensor
     lp_ref: torch.Tensor | None = None
+    is_weight_scale: torch.Tensor | None = None
+    """Per-token factor of the importance weight (0 in a ``seq-mask-tis`` masked sequence); None: 1."""
 
 
 def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -119,6 +122,8 @@ def per_token_loss(lp: torch.Tensor, x: TokenInputs, cfg: LossConfig) -> tuple[t
     if c is not None:  # dual clip: for A < 0 the surrogate never falls below c·A
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, c * adv), surrogate)
     w = importance_weights(lp_prev, x.lp_gen, cfg).detach()
+    if x.is_weight_scale is not None:
+        w = torch.where(x.is_weight_scale > 0, w * x.is_weight_scale, torch.zeros_like(w))  # 0, even for w = inf
     loss = -w * surrogate
     if cfg.reference_policy_kl_penalty > 0:
         if x.lp_ref is None:

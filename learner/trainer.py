@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner import checkpoint, hf_weights
+from learner import checkpoint, hf_weights, seq_filter
 from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
@@ -55,7 +55,10 @@ class Prepared:
     fill: float
     num_micro_batches: int
     pad_tokens: int
-    local_tokens: int
+
+    @property
+    def local_tokens(self) -> int:  # trained tokens (sampled, not filtered out) of this rank's micro-batches
+        return sum(self.samples[seg.index].num_trained for mb in self.mine for seg in mb.segments)
 
 
 @dataclass
@@ -156,13 +159,10 @@ class Learner:
         micro_batches, fill = self._pack([s.tokens for s in samples]) if samples else ([], 0.0)
         mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
         mine = with_images(mine, [s.prompt_len for s in samples], [s.images for s in samples], self.arch.vision)
-        mine = [mb.to(self.device) for mb in mine]
-        local_tokens = sum(samples[seg.index].num_trained for mb in mine for seg in mb.segments)  # sampled only
-        return Prepared(samples, mine, fill, len(micro_batches), pad_tokens, local_tokens)
+        return Prepared(samples, [mb.to(self.device) for mb in mine], fill, len(micro_batches), pad_tokens)
 
     def _pack(self, sequences: list[np.ndarray]) -> tuple[list[MicroBatch], float]:
-        budget = self.packing.train_mb_tokens
-        return pack(sequences, budget, self.packing.enabled)
+        return pack(sequences, self.packing.train_mb_tokens, self.packing.enabled)
 
     @property
     def device(self) -> torch.device:
@@ -185,28 +185,31 @@ class Learner:
                              f"{len(minis)} (policy.train_global_batch_size="
                              f"{self.step_cfg.train_global_batch_size}); expected None or the whole batch")
         preps = [self._prepare(samples) for samples in minis]
+        threshold = self.step_cfg.seq_logprob_error_threshold
+        filtering = seq_filter.active(self.loss_cfg, threshold)
+        prev: list[dict[int, torch.Tensor] | None] = [None] * len(preps)
+        prev_s = 0.0
+        if len(preps) > 1 or filtering:
+            # pi_prev: optimizer steps after the first run on updated weights, sequence filters judge before any
+            # training forward: so it comes from one no-grad forward of the whole batch, before any update
+            t0 = time.perf_counter()
+            prev = [self._logprobs_by_index(self.model, p.mine, p.samples) for p in preps]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            prev_s = time.perf_counter() - t0
+        seq_stats = seq_filter.apply([p.samples for p in preps], prev, self.loss_cfg, threshold, filtering)
         n_global = torch.tensor([p.local_tokens for p in preps], dtype=torch.float64,
                                 device=self.device)  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
         n_mini = [float(v) for v in n_global.tolist()]
         n_total = sum(n_mini)
 
-        prev: list[dict[int, torch.Tensor] | None] = [None] * len(preps)
-        prev_s = 0.0
-        if len(preps) > 1:
-            # pi_prev: every optimizer step after the first runs on updated weights, so the log-probs of the
-            # weights the batch started from come from one no-grad forward of the whole batch, before any update
-            t0 = time.perf_counter()
-            prev = [self._logprobs_by_index(self.model, p.mine, p.samples) for p in preps]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            prev_s = time.perf_counter() - t0
-
         stats = LossStats()
         shares = [n / n_total if len(preps) > 1 and n_total > 0 else 1.0 for n in n_mini]
         outcomes = [self._optimizer_step(p, n, share, lp_prev, stats)
                     for p, n, share, lp_prev in zip(preps, n_mini, shares, prev, strict=True)]
         stats.all_reduce(dp_group, self.device)
+        seq_stats.all_reduce(dp_group, self.device)
 
         applied = [o for o in outcomes if o.applied]
         skipped = [o for o in outcomes if not o.applied]
@@ -228,7 +231,7 @@ class Learner:
         if len(preps) == 1:
             fill = preps[0].fill
         valid = max(len(batch.rewards), 1)
-        metrics = stats.metrics()
+        metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {})}
         metrics.update({
             "reward_mean": float(np.mean(batch.rewards)) if batch.rewards else 0.0,
             **{k: v for k, v in summary_stats(batch.rewards, "reward").items() if k != "reward_mean"},

@@ -87,6 +87,10 @@ class GrpoConfig(ConfigModel):
     overlong_filtering: bool = False
     """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
     out of the loss."""
+    seq_logprob_error_threshold: float | None = Field(default=None, ge=1.0)
+    """NeMo-RL's sequence-level log-prob error masking: a sample whose mean exp(|log pi_prev - log pi_gen|) over its
+    trained tokens exceeds it keeps its place in its group's baseline but is masked out of the loss and N, counted
+    as ``seq_masked_logprob_error`` (NeMo-RL's Nemotron recipes: 2). None: off."""
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     """Linear map of the rewards with clamping (DAPO: {0, 1} -> {-1, 1}), before shaping and advantages."""
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)

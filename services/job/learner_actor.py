@@ -48,7 +48,7 @@ class LearnerSpec:
     seed: int
     step_config: TrainStepConfig
     """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``,
-    ``grpo.reward_scaling``, ``grpo.reward_shaping``."""
+    ``grpo.reward_scaling``, ``grpo.reward_shaping``, ``grpo.seq_logprob_error_threshold``."""
     freeze_vision_tower: bool = True
     """``policy.freeze_vision_tower`` (vision-language models)."""
 
@@ -58,7 +58,8 @@ class LearnerSpec:
         step = TrainStepConfig(train_global_batch_size=p.train_global_batch_size,
                                use_leave_one_out_baseline=g.use_leave_one_out_baseline,
                                overlong_filtering=g.overlong_filtering, reward_scaling=g.reward_scaling,
-                               reward_shaping=g.reward_shaping)
+                               reward_shaping=g.reward_shaping,
+                               seq_logprob_error_threshold=g.seq_logprob_error_threshold)
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
                    g.normalize_rewards, g.seed, step, p.freeze_vision_tower)
 

@@ -27,6 +27,8 @@ SAME_MEANING: dict[Path, str] = {
     "grpo.val_period": "validate when step % val_period == 0; 0 never",
     "grpo.val_at_start": "validate before the first step",
     "grpo.overlong_filtering": "truncated samples stay in the baseline, out of the loss",
+    "grpo.seq_logprob_error_threshold": "a sequence whose mean exp(|lp_prev - lp_gen|) exceeds it stays in the "
+                                        "baseline, out of the loss and N (compute_and_apply_seq_logprob_error_masking)",
     "grpo.max_val_samples": "validation prompts",
     "grpo.val_batch_size": "validation prompts per batch",
     "grpo.seed": "seed",
@@ -53,7 +55,7 @@ SAME_MEANING: dict[Path, str] = {
     "loss_fn.ratio_clip_c": "dual clip for negative advantages; null off",
     "loss_fn.use_importance_sampling_correction": "multiply by pi_prev / pi_gen (truncated as set)",
     "loss_fn.truncated_importance_sampling_ratio": "upper bound of the weight; null: not truncated",
-    "loss_fn.truncated_importance_sampling_ratio_min": "tis lower clamp (null 0); icepop lower bound",
+    "loss_fn.truncated_importance_sampling_ratio_min": "tis lower clamp (null 0); icepop / seq-mask-tis lower bound",
     "loss_fn.force_on_policy_ratio": "ratio fixed at 1; one optimizer step per rollout batch (checked at load)",
 }
 """NeMo-RL keys that are Inflight keys of the same meaning (no rule), with what their meaning is."""
@@ -105,11 +107,10 @@ def _tis_type(value: Any, src: Source) -> list[tuple[Path, Any]]:
     if value is None:
         if ratio is not None:
             raise TranslationError(key, f"null with truncated_importance_sampling_ratio {ratio!r} (NeMo-RL fails on "
-                                        f"it too); expected 'tis' or 'icepop'")
+                                        f"it too); expected 'tis', 'icepop' or 'seq-mask-tis'")
         return []
-    if value not in ("tis", "icepop"):
-        raise TranslationError(key, f"{value!r} is not supported (seq-mask-tis's sequence masking is not "
-                                    f"implemented); expected 'tis', 'icepop' or null")
+    if value not in ("tis", "icepop", "seq-mask-tis"):
+        raise TranslationError(key, f"{value!r} is not supported; expected 'tis', 'icepop', 'seq-mask-tis' or null")
     return [(key, value)]
 
 
@@ -151,9 +152,6 @@ ALGORITHM_RULES: Table = {
                                                 "grpo.adv_estimator.name refuses"),
     "grpo.adv_estimator.reward_weights": NeutralOnly((None,), "per-reward weights of the gdpo estimator, which is not "
                                                               "implemented"),
-    "grpo.seq_logprob_error_threshold": NeutralOnly((None,), "no masking of whole sequences by their train/generation "
-                                                             "log-prob error; the mismatch is corrected per token by "
-                                                             "loss_fn.truncated_importance_sampling_*"),
     "grpo.invalid_tool_call_advantage": NeutralOnly((None,), "a malformed tool call is answered with an error "
                                                              "message and trained like any turn; no advantage "
                                                              "override"),

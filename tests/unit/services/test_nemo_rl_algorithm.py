@@ -123,8 +123,8 @@ def _refusal(name: str, changes: dict[str, Any]) -> TranslationError:
     ({"grpo.advantage_clip_high": 5.0}, "grpo.advantage_clip_high", "5.0 is not supported"),
     ({"grpo.adv_estimator.normalize_rewards": False}, "grpo.adv_estimator.normalize_rewards",
      "False differs from grpo.normalize_rewards (True)"),
-    ({"loss_fn.truncated_importance_sampling_type": "seq-mask-tis", "loss_fn.truncated_importance_sampling_ratio": 2.0},
-     "loss_fn.truncated_importance_sampling_type", "'seq-mask-tis' is not supported"),
+    ({"loss_fn.truncated_importance_sampling_type": "gspo", "loss_fn.truncated_importance_sampling_ratio": 2.0},
+     "loss_fn.truncated_importance_sampling_type", "'gspo' is not supported"),
     ({"loss_fn.truncated_importance_sampling_ratio": 2.0}, "loss_fn.truncated_importance_sampling_type",
      "null with truncated_importance_sampling_ratio 2.0"),
     ({"grpo.batch_multiplier": 2}, "grpo.batch_multiplier", "2 without grpo.use_dynamic_sampling"),
@@ -145,6 +145,19 @@ def test_neutral_and_no_effect_values_are_accepted():
     loss = LossConfig.model_validate(out["loss_fn"])
     assert (loss.truncated_importance_sampling_type, loss.truncated_importance_sampling_ratio,
             loss.truncated_importance_sampling_ratio_min) == ("icepop", 5.0, 0.5)
+
+
+def test_seq_mask_tis_and_the_seq_logprob_error_threshold_translate_with_their_meaning():
+    """Issue 37 item 2: NeMo-RL's sequence-level masking keys (refused before) keep their names and values."""
+    part = algorithm_part("grpo_math_1B.yaml")
+    part["grpo"]["seq_logprob_error_threshold"] = 2.0
+    part["loss_fn"].update(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.002,
+                           truncated_importance_sampling_ratio_min=0.999, use_importance_sampling_correction=True)
+    out, _ = translated(part)
+    loss = LossConfig.model_validate(out["loss_fn"])
+    assert (loss.truncated_importance_sampling_type, loss.truncated_importance_sampling_ratio_min,
+            loss.truncated_importance_sampling_ratio) == ("seq-mask-tis", 0.999, 1.002)
+    assert out["grpo"]["seq_logprob_error_threshold"] == 2.0
 
 
 def test_an_inflight_recipe_keeps_its_dynamic_sampling_bound():
