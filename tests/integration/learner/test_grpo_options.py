@@ -209,3 +209,33 @@ def test_a_binding_kl_clamp_leaves_no_kl_gradient(tiny_model_dir):
     finally:
         for learner in (none, clamped, free):
             learner.shutdown()
+
+
+def test_a_sequence_over_the_logprob_error_threshold_is_masked_counted_and_out_of_n(tiny_model_dir):
+    """Issue 37 item 2: ``grpo.seq_logprob_error_threshold`` on real Megatron-Core. One sequence whose engine
+    log-probs are 1 nat off (mean exp|d| = e > 1.5) is rejected with its reason; the step equals one where that
+    sample is kept out of the loss by overlong filtering (its reward in the baseline, its tokens out of N)."""
+    from learner.config import TrainStepConfig
+
+    masking = make_learner(tiny_model_dir, lr=LR, step_config=TrainStepConfig(seq_logprob_error_threshold=1.5))
+    reference = make_learner(tiny_model_dir, lr=LR, step_config=TrainStepConfig(overlong_filtering=True))
+    try:
+        batch = groups(masking, num_groups=2, group_size=4, seed=7)
+        bad = batch[1].trajectories[2]
+        bad.logprobs = (bad.logprobs - 1.0).astype(np.float32)
+        m = masking.train_step(batch)
+        assert (m["seq_masked_logprob_error"], m["seq_masked"], m["seq_masked_geo_rs"]) == (1.0, 1.0, 0.0)
+        assert m["seq_masked_share"] == pytest.approx(1 / 8) and m["step_skipped"] == 0
+        total = sum(t.response_ids.size for g in batch for t in g.trajectories)
+        assert m["num_valid_tokens"] == total - bad.response_ids.size
+        batch[1].trajectories[2] = _with_reason(bad, "length")
+        m_ref = reference.train_step(batch)
+        assert m_ref["num_valid_tokens"] == m["num_valid_tokens"]
+        # equal up to float32 rounding: the rejected sequence still sits in a packed row here (context of nothing),
+        # the reference packs without it, and pi_prev comes from a separate no-grad forward (weights are not
+        # compared: Adam's first update, lr·g/|g|, turns rounding in near-zero gradients into full steps)
+        for key in ("loss", "gen_kl_error", "token_mult_prob_error", "grad_norm"):
+            assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-7), key
+    finally:
+        masking.shutdown()
+        reference.shutdown()
