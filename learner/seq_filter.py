@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from learner.batch import Sample
 from learner.config import LossConfig
 
 REASONS = ("logprob_error", "geo_rs", "opsm", "seq_mask_tis")
@@ -84,10 +85,10 @@ class SeqFilterStats:
                 "seq_masked_share": total / self.sequences if self.sequences else 0.0}
 
 
-def apply(steps: list[list], prev: list[dict[int, torch.Tensor] | None], loss: LossConfig,
+def apply(steps: list[list[Sample]], prev: list[dict[int, torch.Tensor] | None], loss: LossConfig,
           seq_logprob_error_threshold: float | None, on: bool) -> SeqFilterStats:
     """Judge every sequence of each optimizer step's ``prev`` (this rank's π_prev, by index into that step's
-    list of :class:`learner.batch.Sample`) when ``on``: a rejected one gets an all-False loss mask (and an empty
+    samples) when ``on``: a rejected one gets an all-False loss mask (and an empty
     π_prev), a ``seq_mask_tis`` one ``is_weight_scale`` 0 (both replaced in the list); returns the counts."""
     stats = SeqFilterStats()
     for samples, lp_prev in zip(steps, prev, strict=True):
