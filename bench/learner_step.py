@@ -21,6 +21,12 @@ comma lists (every pair runs in this process, one learner each; an out-of-memory
 budgets' worth of tokens a step). MFU = 6 · parameters · tokens/s / ``--peak-tflops`` (790: the bf16 rate
 measured on an H200), attention's own FLOPs not counted.
 
+``--shape nemotron-h-2b`` is a random bf16 Nemotron-H (hybrid Mamba2 / attention / MoE) shaped after
+Nemotron-3-Nano-30B-A3B, shortened (:data:`NEMOTRON_H_SHAPES`); ``nemotron-h-tiny`` the same layer pattern tiny,
+for a CPU smoke run. For MoE shapes the MFU counts *active* parameters: every parameter except the routed
+experts', plus top-k / experts of theirs (embedding and output layer included, as for the dense shapes);
+``parameters`` stays the total.
+
     python bench/learner_step.py [--arch qwen2|...] [--size tiny] [--groups 8] [--group-size 8] [--steps 5]
     python bench/learner_step.py --shape qwen3-0.6b --mb-tokens 4096,8192,16384,32768 --backends local,flex \
         --chunk 2048 --no-two-step --steps 3
@@ -35,6 +41,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,12 +52,56 @@ SHAPES = {  # Qwen3's published dense shapes: hidden, layers, heads, kv heads, i
     "qwen3-4b": (2560, 36, 32, 8, 9728, True), "qwen3-8b": (4096, 36, 32, 8, 12288, False),
 }
 
+NANO3_PATTERN_SHORT = "MEMEM*EMEMEM*EMEME"
+"""Nemotron-3-Nano's ``MEMEM*EMEMEM*…`` cut to 18 layers: 8 Mamba2, 8 MoE, 2 attention (Nano 3: 23 / 23 / 6)."""
+# NemotronHConfig keywords; Nano 3 scaled from hidden 2688 to 2048 (mamba inner 1.5x hidden, state 128, 8 groups;
+# GQA 2 kv heads of 128; experts top-6 of squared-ReLU, moe ffn ~0.66x hidden, shared 2x it)
+NEMOTRON_H_SHAPES: dict[str, dict[str, Any]] = {
+    "nemotron-h-2b": dict(vocab_size=131072, hidden_size=2048, hybrid_override_pattern=NANO3_PATTERN_SHORT,
+                          num_attention_heads=16, num_key_value_heads=2, head_dim=128, intermediate_size=1344,
+                          mamba_num_heads=48, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
+                          chunk_size=128, n_routed_experts=32, num_experts_per_tok=6, moe_intermediate_size=1344,
+                          moe_shared_expert_intermediate_size=2688),
+    "nemotron-h-tiny": dict(vocab_size=512, hidden_size=64, hybrid_override_pattern=NANO3_PATTERN_SHORT,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                            chunk_size=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            moe_shared_expert_intermediate_size=64),
+}
+
+
+def make_nemotron_h_model(out: Path, shape: str) -> Path:
+    """A random bf16 ``NemotronHForCausalLM`` of ``shape`` in ``out`` (config.json as transformers writes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    cfg = NemotronHConfig(**NEMOTRON_H_SHAPES[shape], routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                          norm_topk_prob=True, layer_norm_epsilon=1e-5, max_position_embeddings=262144,
+                          tie_word_embeddings=False, num_nextn_predict_layers=0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    del model
+    return out
+
+
+def active_parameters(model, top_k: int | None, experts: int | None) -> float:
+    """Parameters one token goes through: all but the routed experts', plus top_k / experts of theirs."""
+    total = routed = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name and "shared_expert" not in name:
+            routed += p.numel()
+    return total - routed + (routed * top_k / experts if top_k and experts else routed)
+
 
 def make_shaped_model(out: Path, shape: str) -> Path:
     """A random bf16 Qwen3 of ``shape`` (head_dim 128, vocab 151936) in ``out``, built on the GPU if any."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if shape in NEMOTRON_H_SHAPES:
+        return make_nemotron_h_model(out, shape)
     hidden, layers, heads, kv, ffn, tied = SHAPES[shape]
     cfg = Qwen3Config(vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, head_dim=128, intermediate_size=ffn, max_position_embeddings=40960,
@@ -145,18 +196,20 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
             two_s.append(m2["policy_training_s"])
             prev_s.append(m2["prev_logprobs_s"])
     params = sum(p.numel() for p in learner.gpt.parameters())
+    active = active_parameters(learner.gpt, learner.arch.moe_top_k, learner.arch.num_experts)
     learner_tps = tokens / float(np.median(learner_s))
     bare_tps = tokens / float(np.median(bare_s))
     peak = args.peak_tflops * 1e12
     result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
               "precision": megatron.precision, "attention_backend": backend, "logprob_chunk_size": args.chunk,
               "activation_checkpointing": args.recompute,
-              "parameters": params, "max_sequence_length": seq_len, "tokens_per_step": tokens,
+              "parameters": params, "active_parameters": active, "max_sequence_length": seq_len,
+              "tokens_per_step": tokens,
               "micro_batches": len(micro_batches), "train_mb_tokens": mb_tokens, "fill_ratio": float(np.mean(fills)),
               "learner_step_s": float(np.median(learner_s)), "bare_step_s": float(np.median(bare_s)),
               "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
               "ratio_paired": float(np.median(np.asarray(bare_s) / np.asarray(learner_s))),
-              "mfu_learner": 6 * params * learner_tps / peak, "mfu_bare": 6 * params * bare_tps / peak,
+              "mfu_learner": 6 * active * learner_tps / peak, "mfu_bare": 6 * active * bare_tps / peak,
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "steps": args.steps}
     if args.two_step:
         result.update({"two_step_s": float(np.median(two_s)),
@@ -171,7 +224,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="qwen2", choices=list(ARCHS))
     ap.add_argument("--size", default="tiny")
-    ap.add_argument("--shape", default=None, choices=list(SHAPES))
+    ap.add_argument("--shape", default=None, choices=[*SHAPES, *NEMOTRON_H_SHAPES])
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--mb-tokens", default="1024", help="comma list of packing budgets")
@@ -210,10 +263,10 @@ def main() -> None:
             r["wall_s"] = time.perf_counter() - t0
             results.append(r)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
-    print(f"wrote {out}")
+            out = Path(args.out)  # after each run: a run cut short by a time limit keeps what it measured
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
