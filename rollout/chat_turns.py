@@ -9,7 +9,7 @@ one after the other works; one that does not is refused with a ``ValueError`` na
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout.environment import Message
@@ -25,10 +25,14 @@ class ChatTurns:
     Nothing is rendered at construction, so an engine whose model has no chat template still starts; the first
     use renders (and caches) the template's turn-closing text and generation prompt, or raises ``ValueError``."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.tools = tools
         """The tool schemas passed to ``apply_chat_template(tools=...)``, as the prompt was rendered."""
+        self.template_kwargs = dict(template_kwargs or {})
+        """Extra ``apply_chat_template`` arguments (``policy.tokenizer.chat_template_kwargs``), as the prompt was
+        rendered."""
         self._closing: str | None = None
         self._generation_prompt: list[int] | None = None
 
@@ -100,7 +104,7 @@ class ChatTurns:
             raise ValueError(f"tokenizer of {self._name()}: has no chat template; multi-turn episodes render "
                              f"environment messages with it")
         text = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
         return text

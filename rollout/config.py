@@ -8,9 +8,9 @@ description in ``inflight validate --explain``.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from protocol.config_base import ConfigModel
 
@@ -53,6 +53,49 @@ class VllmConfig(ConfigModel):
     (``rollout.direct_load``); False: always ``reload_weights``."""
 
 
+class KernelKwargs(ConfigModel):
+    """``policy.generation.vllm_kwargs.kernel_config``: vLLM's ``KernelConfig`` (other keys pass to it unchanged and
+    are checked against the installed vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+    moe_backend: str | None = None
+    """Fused-MoE kernel (``KernelConfig.moe_backend``, e.g. ``flashinfer_cutlass`` on Hopper/Blackwell); a GPU
+    kernel: ignored on CPU. None: vLLM picks."""
+    enable_flashinfer_autotune: bool | None = None
+    """Let FlashInfer time its kernel variants at engine start and keep the fastest (longer start, faster
+    decode); GPU only: ignored on CPU. None: vLLM's default."""
+
+
+class VllmKwargs(ConfigModel):
+    """``policy.generation.vllm_kwargs``: extra vLLM engine arguments; any other key passes through, checked.
+
+    NeMo-RL's key: vLLM's ``AsyncEngineArgs``. The fields are the seed recipes' tuned stack; any other key passes
+    to vLLM unchanged, checked against the installed vLLM (:mod:`rollout.vllm_kwargs`, docs/rollout.md
+    "Engine options")."""
+
+    model_config = ConfigDict(extra="allow")
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
+    """Most sequences an engine runs at once; replaces ``vllm_cfg.max_num_seqs`` when set."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens one engine step schedules (prefill + decode). On CPU, where prefills are not chunked, it must
+    be >= the context length. None: vLLM's default."""
+    all2all_backend: str | None = None
+    """All-to-all of expert parallelism (``ParallelConfig.all2all_backend``, e.g.
+    ``flashinfer_nvlink_one_sided``); GPU collectives: ignored on CPU."""
+    kernel_config: KernelKwargs | None = None
+    """vLLM's kernel choices (``KernelConfig``): ``moe_backend`` (the fused-MoE kernel, e.g. ``flashinfer_cutlass``)
+    and ``enable_flashinfer_autotune`` (FlashInfer times its kernel variants at start and keeps the fastest); both
+    GPU only, ignored on CPU. Other ``KernelConfig`` keys pass through, checked."""
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    """Dtype of a hybrid model's Mamba state; replaces Inflight's float32 for hybrids when set."""
+    limit_mm_per_prompt: dict[str, Any] | None = None
+    """Most items of each modality per prompt, e.g. ``{image: 1}``; vLLM sizes its encoder memory for this many.
+    Replaces Inflight's ``{image: 8, video: 0}`` for vision-language models when set."""
+    skip_mm_profiling: bool | None = None
+    """Skip vLLM's memory profiling of the multimodal encoder at start (faster start; the encoder's peak memory
+    is then not reserved)."""
+
+
 class ColocatedConfig(ConfigModel):
     """``policy.generation.colocated``."""
 
@@ -75,6 +118,9 @@ class GenerationConfig(ConfigModel):
     """Top-k sampling; None disables it."""
     stop_strings: list[str] = Field(default_factory=list)
     """Extra strings that end an answer (EOS always does)."""
+    bad_words: list[str] = Field(default_factory=list)
+    """Words never sampled (vLLM ``SamplingParams.bad_words``: each word's tokens, with and without a leading
+    space, are masked when they would complete it). Training scores the answers under the unmasked policy."""
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     """Deadline for one sample attempt; an attempt that exceeds it is aborted in the engine and retried."""
     max_retries: int = Field(default=2, ge=0, le=10)
@@ -83,6 +129,9 @@ class GenerationConfig(ConfigModel):
     """Whether generation shares the learner's devices (NeMo-RL ``policy.generation.colocated``)."""
     vllm_cfg: VllmConfig = Field(default_factory=lambda: VllmConfig())
     """Engine options."""
+    vllm_kwargs: VllmKwargs = Field(default_factory=lambda: VllmKwargs())
+    """Extra vLLM engine arguments, passed through (NeMo-RL's key and meaning), checked against the installed
+    vLLM."""
 
     @property
     def group_deadline_s(self) -> float:

@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,7 +49,7 @@ class RolloutEngine:
                  reward_timeout_s: float = 30.0,
                  start_timeout_s: float = 600.0, weight_update_timeout_s: float = 300.0,
                  environment: BoundedEnvironment | None = None, max_rollout_turns: int = 1,
-                 truncated_reward: float | None = 0.0):
+                 truncated_reward: float | None = 0.0, chat_template_kwargs: Mapping[str, Any] | None = None):
         if max_model_len < 16:
             raise ValueError(f"max_model_len: expected >= 16, got {max_model_len}")
         if generation.max_new_tokens > max_model_len:
@@ -70,6 +70,8 @@ class RolloutEngine:
         self.engine_id = engine_id
         self.start_timeout_s = start_timeout_s
         self.weight_update_timeout_s = weight_update_timeout_s
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them, as the prompts."""
         self._llm: Any = None
         self._tokenizer: Any = None
         self._options: EngineOptions | None = None
@@ -104,7 +106,8 @@ class RolloutEngine:
 
         self.labels.detect(self.engine_id)
         options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len,
-                                       colocated=self.generation.colocated.enabled)
+                                       colocated=self.generation.colocated.enabled,
+                                       kwargs=self.generation.vllm_kwargs)
         self._options = options
         for line in options.describe():
             logger.info("rollout engine %s: %s", self.engine_id, line)
@@ -113,7 +116,7 @@ class RolloutEngine:
         os.environ.update(options.env)
         self.installer.expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.sampler.chat_turns = ChatTurns(self._tokenizer)
+        self.sampler.chat_turns = ChatTurns(self._tokenizer, template_kwargs=self.chat_template_kwargs)
         engine_args = AsyncEngineArgs(**options.engine_args)
         children_before = EngineProcesses.before_start()
         build = asyncio.get_running_loop().run_in_executor(None, build_async_llm, engine_args, self._kv)

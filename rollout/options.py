@@ -14,12 +14,15 @@ import dataclasses
 import json
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout.config import VllmConfig
+from rollout.config import VllmConfig, VllmKwargs
 from rollout.vllm_images import image_token_id
+from rollout.vllm_kwargs import SECTION as KWARGS_KEY
+from rollout.vllm_kwargs import merge_vllm_kwargs
 
 KEY = "policy.generation.vllm_cfg"
 Platform = Literal["cpu", "cuda"]
@@ -35,6 +38,7 @@ class EngineOptionError(ValueError):
     def __init__(self, key: str, value: object, expected: str):
         self.key = key
         self.value = value
+        self.expected = expected
         super().__init__(f"{KEY}.{key}={value!r}: {expected}")
 
 
@@ -48,6 +52,10 @@ class VllmCapabilities:
     moe_backends: tuple[str, ...] | None
     all2all_backends: tuple[str, ...] | None
     cudagraph_modes: tuple[str, ...] | None
+    nested_arg_names: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """Field names of the engine arguments that are config classes (``kernel_config``, ``compilation_config``...)."""
+    choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """The values an engine argument typed as a ``Literal`` of strings accepts (vLLM does not check them itself)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +65,11 @@ class IgnoredOption:
     key: str
     value: object
     reason: str
+    section: str = KEY
+    """The recipe section the key is in (``vllm_cfg`` or ``vllm_kwargs``)."""
 
     def message(self, platform: str) -> str:
-        return f"{KEY}.{self.key}={self.value!r} ignored on {platform}: {self.reason}"
+        return f"{self.section}.{self.key}={self.value!r} ignored on {platform}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,8 @@ class EngineOptions:
     env: dict[str, str]
     applied: dict[str, str]
     """Recipe key -> the vLLM argument (or environment variable) it became."""
+    applied_kwargs: dict[str, str] = field(default_factory=dict)
+    """``vllm_kwargs`` entry -> the vLLM argument it became (and the value it replaced)."""
     ignored: list[IgnoredOption] = field(default_factory=list)
     platform_args: list[str] = field(default_factory=list)
     """Engine arguments this platform needs that no recipe key controls, with the reason."""
@@ -79,6 +91,7 @@ class EngineOptions:
     def describe(self) -> list[str]:
         """One line per option, for logs and ``inflight validate``."""
         lines = [f"{KEY}.{k} -> {v}" for k, v in self.applied.items()]
+        lines += [f"{KWARGS_KEY}.{k} -> {v}" for k, v in self.applied_kwargs.items()]
         lines += [f"({self.platform}) {a}" for a in self.platform_args]
         return lines + [i.message(self.platform) for i in self.ignored]
 
@@ -108,6 +121,10 @@ def probe_vllm() -> VllmCapabilities:
     return VllmCapabilities(
         version=str(getattr(vllm, "__version__", "unknown")), platform=platform,
         engine_arg_names=frozenset(f.name for f in dataclasses.fields(EngineArgs)),
+        nested_arg_names={f.name: frozenset(g.name for g in dataclasses.fields(f.type))
+                          for f in dataclasses.fields(EngineArgs)
+                          if isinstance(f.type, type) and dataclasses.is_dataclass(f.type)},
+        choices={f.name: c for f in dataclasses.fields(EngineArgs) if (c := _literal_values(EngineArgs, f.name))},
         moe_backends=_literal_values(EngineArgs, "moe_backend"),
         all2all_backends=_literal_values(EngineArgs, "all2all_backend"),
         cudagraph_modes=modes)
@@ -141,10 +158,13 @@ IMAGES_PER_PROMPT = 8
 
 
 def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
-                         caps: VllmCapabilities | None = None, colocated: bool = False) -> EngineOptions:
+                         caps: VllmCapabilities | None = None, colocated: bool = False,
+                         kwargs: VllmKwargs | None = None) -> EngineOptions:
     """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``max_model_len`` is the
     context length unless ``cfg.max_model_len`` sets one (the services pass ``policy.max_total_sequence_length``).
-    ``colocated`` engines sleep while the learner trains, which needs vLLM's sleep mode on GPU."""
+    ``colocated`` engines sleep while the learner trains, which needs vLLM's sleep mode on GPU. ``kwargs``
+    (``policy.generation.vllm_kwargs``) are merged last (:mod:`rollout.vllm_kwargs`); a refused one raises
+    :class:`rollout.vllm_kwargs.VllmKwargError`."""
     caps = caps or probe_vllm()
     on_cpu = caps.platform == "cpu"
     max_model_len = cfg.max_model_len or max_model_len
@@ -239,10 +259,15 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "
                              f"model: images only; vLLM profiles memory for this many)")
+    applied_kwargs: dict[str, str] = {}
+    if kwargs is not None:
+        applied_kwargs, dropped = merge_vllm_kwargs(kwargs, args, caps, max_model_len, on_cpu)
+        ignored += dropped
     for name in args:
         if name not in caps.engine_arg_names:
             key = arg_key.get(name, name)
             raise EngineOptionError(key, getattr(cfg, key, args[name]),
                                     f"the installed vLLM {caps.version} has no engine argument {name!r}")
-    return EngineOptions(engine_args=args, env=env, applied=applied, ignored=ignored, platform_args=platform_args,
+    return EngineOptions(engine_args=args, env=env, applied=applied, applied_kwargs=applied_kwargs,
+                         ignored=ignored, platform_args=platform_args,
                          vllm_version=caps.version, platform=caps.platform)

@@ -238,7 +238,7 @@ class GroupSampler:
         temperature = g.temperature if temperature is None else temperature
         return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=temperature,
                               top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
-                              seed=seed, output_kind=kind, **extra)
+                              bad_words=list(g.bad_words) or None, seed=seed, output_kind=kind, **extra)
 
     def _new_request_id(self) -> str:
         return f"{self.engine_id}-{next(self._request_ids)}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -50,15 +51,18 @@ def repeat_targets(tokenizer) -> list[tuple[str, int, list[int]]]:
     return sorted(candidates[:MAX_REPEAT_TARGETS])
 
 
-def chat_prompt_ids(tokenizer, content: str) -> list[int]:
+def chat_prompt_ids(tokenizer, content: str, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of one user turn through the chat template, ready for the assistant's answer."""
-    return chat_ids(tokenizer, [{"role": "user", "content": content}])
+    return chat_ids(tokenizer, [{"role": "user", "content": content}], template_kwargs=template_kwargs)
 
 
-def chat_ids(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None,
+             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of chat turns ``[{role, content}]`` through the model's chat template, ready for the
-    assistant's answer (``add_generation_prompt=True``); ``tools``: the tool schemas the template shows."""
+    assistant's answer (``add_generation_prompt=True``); ``tools``: the tool schemas the template shows;
+    ``template_kwargs``: ``policy.tokenizer.chat_template_kwargs`` (e.g. ``enable_thinking``)."""
     extra = {"tools": tools} if tools else {}  # no tools: the call as before (tokenizer stand-ins lack the keyword)
+    extra.update(template_kwargs or {})
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False, **extra)
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
         raise TypeError(f"apply_chat_template returned {type(ids).__name__}, expected a list of token ids")
@@ -68,12 +72,14 @@ def chat_ids(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, An
 SPLITS = ("train", "val")
 
 
-def check_template_shows_tools(tokenizer, tools: list[dict[str, Any]]) -> None:
+def check_template_shows_tools(tokenizer, tools: list[dict[str, Any]],
+                               template_kwargs: Mapping[str, Any] | None = None) -> None:
     """``ValueError`` if the chat template renders a prompt the same with and without ``tools`` (it would
     silently hide them from the model)."""
     messages = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True) == plain:
+    kw = dict(template_kwargs or {})
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    if tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kw) == plain:
         names = [t.get("function", {}).get("name") for t in tools]
         raise ValueError(f"tools {names}: the model's chat template does not show tools (apply_chat_template "
                          f"ignores tools=); use a model whose template renders them (Qwen2.5, Qwen3, a tiny model "
@@ -81,11 +87,13 @@ def check_template_shows_tools(tokenizer, tools: list[dict[str, Any]]) -> None:
 
 
 def make_prompts(task: str, tokenizer, num_prompts: int, seed: int, split: str = "train",
-                 tools: list[dict[str, Any]] | None = None) -> list[PromptRequest]:
+                 tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> list[PromptRequest]:
     """``num_prompts`` prompts of ``task``, the same for the same ``seed``; ``split="val"`` draws them from
     another random stream and prefixes their ids with ``val:`` (they never collide with training ids).
     ``tools``: the tool schemas the chat template shows (``rollout.env_registry.tool_schemas``); None: the
-    task's own (the calculator for ``multi_step_arithmetic``, none otherwise); ``[]``: none."""
+    task's own (the calculator for ``multi_step_arithmetic``, none otherwise); ``[]``: none. ``template_kwargs``:
+    extra arguments of every chat-template call (``policy.tokenizer.chat_template_kwargs``)."""
     if task not in TASKS:
         raise ValueError(f"data.dataset_name: expected one of {TASKS}, got {task!r}")
     if num_prompts < 1:
@@ -97,11 +105,11 @@ def make_prompts(task: str, tokenizer, num_prompts: int, seed: int, split: str =
     if tools is None and task == "multi_step_arithmetic":
         tools = [CALCULATOR.schema()]
     if tools:
-        check_template_shows_tools(tokenizer, tools)
+        check_template_shows_tools(tokenizer, tools, template_kwargs)
     tools = tools or None
 
     def prompt(i: int, text: str, meta: dict) -> PromptRequest:
-        ids = np.asarray(chat_ids(tokenizer, [{"role": "user", "content": text}], tools))
+        ids = np.asarray(chat_ids(tokenizer, [{"role": "user", "content": text}], tools, template_kwargs))
         return PromptRequest(f"{prefix}{task}-{i}", ids, meta)
 
     prompts: list[PromptRequest] = []

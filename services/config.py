@@ -118,6 +118,11 @@ class GrpoConfig(ConfigModel):
         return self
 
 
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "tools", "tokenize", "add_generation_prompt", "return_dict",
+                           "continue_final_message", "chat_template")
+"""``apply_chat_template`` arguments Inflight sets on every call; ``chat_template_kwargs`` may not name them."""
+
+
 class TokenizerConfig(ConfigModel):
     """``policy.tokenizer`` (NeMo-RL's section; its other keys are translated by :mod:`services.nemo_rl`)."""
 
@@ -125,6 +130,17 @@ class TokenizerConfig(ConfigModel):
     """A tokenizer directory other than ``policy.model_name``'s (NeMo-RL's key and meaning): its tokenizer files
     replace the model's for the learner, the engines, the prompts and exports (:mod:`services.model_variant`).
     None or the model's directory: the model's own tokenizer."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of every chat-template call (NeMo-RL's key and meaning), e.g. ``{enable_thinking: false}``:
+    prompts, environment turns, validation, the parity probe, ``eval`` and ``generate``. {}: none."""
+
+    @model_validator(mode="after")
+    def _own_arguments(self):
+        taken = sorted(set(self.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGUMENTS))
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken} are set by Inflight itself (it renders prompts with "
+                             f"{', '.join(CHAT_TEMPLATE_ARGUMENTS)}); give only the template's own variables")
+        return self
 
 
 class PolicyConfig(ConfigModel):
@@ -284,11 +300,12 @@ def is_recipe_key(path: str) -> bool:
         if field is None and model is EnvConfig:
             sub: type[ConfigModel] | None = RewardEnvConfig
         elif field is None:
-            return False
+            return model.model_config.get("extra") == "allow"  # e.g. vllm_kwargs: checked against vLLM later
         else:
             sub = _section(field.annotation)
             if sub is None:
-                return i == len(parts) - 1 or typing.get_origin(field.annotation) is dict
+                ann = field.annotation
+                return i == len(parts) - 1 or dict in (typing.get_origin(a) for a in (ann, *typing.get_args(ann)))
         model = sub
     return True
 

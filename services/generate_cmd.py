@@ -89,7 +89,8 @@ def _generate(args: argparse.Namespace) -> int:
     recipe, d = choice.recipe, choice.recipe.data
     try:
         template = PromptTemplate(AutoTokenizer.from_pretrained(choice.model_dir), read_template(d.prompt_file),
-                                  read_system_prompt(d.system_prompt_file), recipe_tools(recipe))
+                                  read_system_prompt(d.system_prompt_file), recipe_tools(recipe),
+                                  recipe.policy.tokenizer.chat_template_kwargs)
         requests = [PromptRequest(f"prompt-{i}", np.asarray(template.ids(text), np.int32))
                     for i, text in enumerate(texts, 1)]
     except (ValueError, OSError) as err:

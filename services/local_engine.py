@@ -129,7 +129,7 @@ async def running(recipe: Recipe, model_dir: str, *, engine_id: str, reward_fn=N
     else:
         engine = RolloutEngine(model_dir, recipe.policy.generation,
                                max_model_len or recipe.policy.max_total_sequence_length, reward_fn,
-                               engine_id=engine_id)
+                               engine_id=engine_id, chat_template_kwargs=recipe.policy.tokenizer.chat_template_kwargs)
     t0 = time.perf_counter()
     say(f"starting vLLM on {model_dir} ...")
     with stdout_to_stderr():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.config import PolicyConfig, Recipe, RecipeError
 from services.config_data import HUB_PREFIX
+from services.engine_checks import check_vllm_kwargs
 
 FIRST_ROWS = 8
 """Rows of each data file mapped to a prompt and an answer (the run maps every row as it draws it)."""
@@ -83,6 +84,7 @@ def check_recipe(recipe: Recipe, *, here: bool) -> RecipeChecks:
     _check_prompt_files(recipe, checks)
     _check_data(recipe, checks)
     _check_scoring(recipe, checks)
+    check_vllm_kwargs(recipe, checks)
     return checks
 
 

@@ -124,7 +124,7 @@ def row_prompts(recipe: Recipe, tokenizer, path: str, key: str, id_prefix: str, 
     mapper = RowMapper.of(d)
     mapper.check_columns(rows, key)
     template = PromptTemplate(tokenizer, read_template(d.prompt_file), read_system_prompt(d.system_prompt_file),
-                              recipe_tools(recipe))
+                              recipe_tools(recipe), recipe.policy.tokenizer.chat_template_kwargs)
     per_token = max_token_chars(tokenizer)
     max_chars = None if d.max_input_seq_length is None or per_token is None else d.max_input_seq_length * per_token
     return RowPrompts(rows, mapper, template, d.max_input_seq_length, key, id_prefix, images, max_chars)
@@ -183,7 +183,8 @@ class PromptSource:
                                                                    "data.train_data_path", "row-", d.train_split, part,
                                                                    image_prompts(recipe, model_path))
         elif d.dataset_name is not None:
-            prompts = make_prompts(d.dataset_name, tokenizer, d.num_prompts, g.seed, tools=recipe_tools(recipe))
+            prompts = make_prompts(d.dataset_name, tokenizer, d.num_prompts, g.seed, tools=recipe_tools(recipe),
+                                   template_kwargs=recipe.policy.tokenizer.chat_template_kwargs)
         else:
             raise ValueError("data: set data.train_data_path or data.dataset_name")
         return cls(prompts, g.seed, shuffle=d.shuffle, max_epochs=g.max_num_epochs, skip_invalid=d.skip_invalid_rows)
@@ -325,7 +326,8 @@ def validation_prompts(recipe: Recipe, model_path: str, tokenizer=None) -> list[
     elif d.dataset_name is not None:
         from rollout.tasks import make_prompts
 
-        return make_prompts(d.dataset_name, tokenizer, n, recipe.grpo.seed, split="val", tools=recipe_tools(recipe))
+        return make_prompts(d.dataset_name, tokenizer, n, recipe.grpo.seed, split="val", tools=recipe_tools(recipe),
+                            template_kwargs=recipe.policy.tokenizer.chat_template_kwargs)
     else:
         raise ValueError("validation: data.train_data_path is set but neither data.val_data_path nor "
                          "data.split_validation_size")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollout.tasks import chat_ids
 
@@ -67,6 +68,8 @@ class PromptTemplate:
     """``data.system_prompt_file``'s text, the first turn unless a row brings its own system turn."""
     tools: list[dict] | None = None
     """Tool schemas shown by the chat template (``env.<name>.tools``)."""
+    template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the chat template (``policy.tokenizer.chat_template_kwargs``, e.g. ``enable_thinking``)."""
 
     def messages(self, text: str | None = None, turns: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
         """The chat turns of a prompt text (through the template) or of a row's own turns."""
@@ -79,4 +82,4 @@ class PromptTemplate:
 
     def ids(self, text: str | None = None, turns: list[dict[str, str]] | None = None) -> list[int]:
         """Token ids of the prompt, ready for the assistant's answer."""
-        return chat_ids(self.tokenizer, self.messages(text, turns), self.tools)
+        return chat_ids(self.tokenizer, self.messages(text, turns), self.tools, self.template_kwargs)

@@ -144,6 +144,8 @@ GENERATION: dict[str, Rule | None] = {
     f"{G}.val_top_p": Derive(d.same_as(f"{G}.top_p", "Inflight validates with the training top_p"), "= top_p"),
     f"{G}.val_top_k": Derive(d.same_as(f"{G}.top_k", "Inflight validates with the training top_k"), "= top_k"),
     f"{G}.stop_strings": Rename(f"{G}.stop_strings", lambda v: [] if v is None else v),
+    f"{G}.bad_words": Rename(f"{G}.bad_words", lambda v: [] if v is None else v),
+    f"{G}.vllm_kwargs": Rename(f"{G}.vllm_kwargs", lambda v: v or {}),
     f"{G}.stop_token_ids": Derive(d.stop_token_ids, "no effect: end-of-sequence ids of the model, or outside its "
                                                     "vocabulary"),
     f"{G}.colocated.enabled": When(d.nemo_rl, Derive(d.engines, "-> rollout_pool.num_engines"), None,
@@ -167,10 +169,6 @@ GENERATION: dict[str, Rule | None] = {
            f"{V}.num_last_layers_in_bf16"),
     f"{V}.reset_encoder_cache_after_weight_update": Ignore("multimodal encoders only"),
     f"{V}.skip_tokenizer_init": Ignore("Inflight's engines take token ids and return token ids either way"),
-    f"{G}.vllm_kwargs": Ignore("extra vLLM arguments (none set)"),
-    f"{G}.vllm_kwargs.moe_backend": Rename(f"{V}.moe_backend"),
-    f"{G}.vllm_kwargs.mm_processor_cache_gb": Ignore("multimodal processor cache (image inputs only)"),
-    f"{G}.vllm_kwargs.*": off((), "Inflight builds vLLM's arguments from policy.generation.vllm_cfg only"),
 }
 
 TOP: dict[str, Rule | None] = {
@@ -184,8 +182,7 @@ TOP: dict[str, Rule | None] = {
     "make_sequence_length_divisible_by": Ignore("padding for tensor/sequence-parallel kernels: " + MEMORY),
     "refit_buffer_size_gb": Ignore(NEMO_IO),
     "tokenizer.chat_template": off("default", "Inflight applies the model's own chat template"),
-    "tokenizer.chat_template_kwargs": off((None, {}), "Inflight applies the chat template without extra arguments"),
-    "tokenizer.chat_template_kwargs.*": off((), "Inflight applies the chat template without extra arguments"),
+    "tokenizer.chat_template_kwargs": Rename(f"{P}.tokenizer.chat_template_kwargs", lambda v: v or {}),
     "tokenizer.use_fastokens": Ignore("a faster tokenizer implementation: speed only"),
     "tokenizer.use_processor": off(False, VLM_DATA),
     **each(off((), "audio/video inputs are not supported"), "tokenizer.audio.*", "tokenizer.video.*"),

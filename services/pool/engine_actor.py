@@ -19,8 +19,8 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
 from rollout.config import GenerationConfig
@@ -107,6 +107,8 @@ class EngineSpec:
     one sampled answer per prompt."""
     max_rollout_turns: int = 1
     """``grpo.max_rollout_turns``."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them."""
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles,
@@ -116,7 +118,7 @@ class EngineSpec:
                    recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
                    a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s,
                    RewardEnvSpec.from_recipe(recipe), environment_spec(recipe, served_env_url),
-                   recipe.grpo.max_rollout_turns)
+                   recipe.grpo.max_rollout_turns, dict(recipe.policy.tokenizer.chat_template_kwargs))
 
 
 def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
@@ -143,7 +145,7 @@ class EngineActor:
         new_engine = functools.partial(
             RolloutEngine, model_path, spec.generation, spec.max_model_len, engine_id=spec.engine_id,
             recompute_kv_cache_after_weight_updates=spec.recompute_kv, in_flight_weight_updates=spec.in_flight,
-            reward_timeout_s=spec.reward_timeout_s)
+            reward_timeout_s=spec.reward_timeout_s, chat_template_kwargs=spec.chat_template_kwargs)
         # each vLLM incarnation gets its own reward environment (its workers stop with that engine's shutdown)
         self._new_engine = lambda: _engine_with_environment(spec, new_engine, get_reward_fn)
         self.engine = self._new_engine()

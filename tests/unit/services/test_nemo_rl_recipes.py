@@ -91,7 +91,8 @@ def test_validate_exits_0_on_the_recipe_as_it_is(f: Fixture, models, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("have no meaning here") == 1 and "ignored: policy.dtensor_cfg" in run.stderr
     written = yaml.safe_load(run.stdout)  # the run copy: Inflight keys only, and it loads as it is
-    assert "dtensor_cfg" not in written["policy"] and set(written["policy"]["tokenizer"]) == {"name"}
+    assert "dtensor_cfg" not in written["policy"]
+    assert set(written["policy"]["tokenizer"]) == {"name", "chat_template_kwargs"}
     recipe, _ = load_recipe_with_report(f.path, overrides(f, models))
     assert recipe.model_dump(mode="json") == written
     copy = tmp_path / "recipe.yaml"  # what a run directory keeps, and export and a resume read back

@@ -1,0 +1,38 @@
+"""What a request asks vLLM for: ``policy.generation`` as ``SamplingParams`` (built without an engine)."""
+from __future__ import annotations
+
+from rollout.config import GenerationConfig
+from rollout.labels import VersionLabels
+from rollout.rewards import get_reward_fn
+from rollout.sampling import GroupSampler
+from services.config import load_recipe
+
+
+def sampler(generation: GenerationConfig) -> GroupSampler:
+    return GroupSampler("t", generation, get_reward_fn("format"), 5.0, VersionLabels(), 256, llm=lambda: None,
+                        version=lambda: 0, dead_reason=lambda: "")
+
+
+def test_bad_words_reach_the_sampling_params():
+    """NeMo-RL's ``policy.generation.bad_words`` is vLLM's ``SamplingParams.bad_words``; none set: none asked."""
+    generation = load_recipe(None, ["policy.generation.bad_words=[' sorry', 'Sorry']"]).policy.generation
+    s = sampler(generation)
+    try:
+        assert s._sampling_params(7).bad_words == [" sorry", "Sorry"]
+        assert s._sampling_params(7, max_tokens=1, prompt_logprobs=0).bad_words == [" sorry", "Sorry"]
+    finally:
+        s.shutdown()
+    plain = sampler(GenerationConfig())
+    try:
+        assert not plain._sampling_params(7).bad_words
+    finally:
+        plain.shutdown()
+
+
+def test_a_nemo_rl_null_bad_words_is_none():
+    from services.config import is_recipe_key
+    from services.nemo_rl.rules import translate
+    from services.nemo_rl.table import TABLE
+
+    out, _ = translate({"policy": {"generation": {"bad_words": None, "vllm_kwargs": None}}}, TABLE, is_recipe_key)
+    assert out["policy"]["generation"] == {"bad_words": [], "vllm_kwargs": {}}
