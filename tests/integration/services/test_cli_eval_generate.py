@@ -43,10 +43,17 @@ learner.shutdown()
 """A run directory as a learner job leaves it: recipe.yaml and the checkpoint of step 3 (the initial weights)."""
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without what an earlier test left in it for its own use: a Ray address, and the
+    MASTER_PORT an in-process learner set (it may still listen there: a child learner would fail with EADDRINUSE)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_ADDRESS") and k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    return env
+
+
 def inflight(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    root = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = str(root)
+    env = clean_env()
     return subprocess.run([sys.executable, "-m", "services.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=600, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=cwd)
 
@@ -92,7 +99,7 @@ def test_generate_prints_n_samples_of_each_prompt_from_stdin(exported):
 def test_eval_of_a_run_directory_exports_its_checkpoint_once_and_scores_it(exported, tmp_path):
     run = tmp_path / "run"
     made = subprocess.run([sys.executable, "-c", SAVE_CHECKPOINT, str(exported), str(run)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])})
+                          text=True, timeout=600, env=clean_env())
     assert made.returncode == 0, made.stderr[-3000:]
     out = inflight("eval", "--run-dir", str(run), "--max-prompts", "2")
     assert out.returncode == 0, out.stderr[-4000:]
