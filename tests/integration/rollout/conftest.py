@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rollout.config import GenerationConfig, VllmConfig
+from rollout.config import GenerationConfig, VllmConfig, VllmKwargs
 from rollout.engine import RolloutEngine
 from rollout.rewards import get_reward_fn
+from rollout_engine_helpers import HARNESS_VLLM_KWARGS
 
 MAX_MODEL_LEN = 512
 CALL_TIMEOUT_S = 300.0
@@ -53,7 +54,8 @@ def harness(tiny_model_dir):
     thread.start()
     generation = GenerationConfig(max_new_tokens=16, request_timeout_s=120.0, max_retries=1,
                                   vllm_cfg=VllmConfig(enforce_eager=True, precision="float32", seed=0,
-                                                      gpu_memory_utilization=0.5))
+                                                      gpu_memory_utilization=0.5),
+                                  vllm_kwargs=VllmKwargs.model_validate(HARNESS_VLLM_KWARGS))
     engine = RolloutEngine(tiny_model_dir, generation, MAX_MODEL_LEN, get_reward_fn("repeat_letter"),
                            engine_id="test", initial_version=0)
     h = EngineHarness(engine, loop, tiny_model_dir)
