@@ -24,6 +24,10 @@ Recipe validator's body): showing or validating a key is not using it."""
 ALLOWED_UNREAD: dict[str, str] = {
     "policy.generation.backend": "its type admits only 'vllm', the one backend, so it cannot change behaviour; "
                                  "kept so that NeMo-RL recipes, which name it, load unchanged",
+    "policy.generation.vllm_kwargs.kernel_config": "handed whole to vLLM's engine arguments "
+                                                   "(rollout.vllm_kwargs.merge_vllm_kwargs: model_dump)",
+    "policy.generation.vllm_kwargs.skip_mm_profiling": "handed whole to vLLM's engine arguments "
+                                                       "(rollout.vllm_kwargs.merge_vllm_kwargs: model_dump)",
 }
 """Recipe keys no code reads, each with the reason it still belongs in a recipe."""
 VALIDATORS = {"model_validator", "field_validator"}
