@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from learner.config import LossConfig
-from services.config import GrpoConfig, is_recipe_key
+from services.config import is_recipe_key
+from services.config_grpo import GrpoConfig
 from services.nemo_rl.rules import TranslationError, find_rule, leaves, translate
 from services.nemo_rl.table_algorithm import ALGORITHM_RULES, SAME_MEANING
 from services.recipe_files import read_recipe
