@@ -5,19 +5,15 @@ log-probs, loss and gradient norm, and export is exact before training. (MoE lay
 Megatron trains them only with sequence parallelism.)"""
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import become_rank, run_ranks
 from learner_batches import make_learner
 from nemotron_h_models import VOCAB, build_nemotron_h
 from safetensors.torch import load_file
 
 from protocol.messages import Trajectory, TrajectoryGroup
-from services.cluster import free_port
 
 WORLD = 2
 TIMEOUT_S = 300.0
@@ -40,10 +36,7 @@ def _batch(learner) -> list[TrajectoryGroup]:
 
 
 def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import warnings
-    warnings.filterwarnings("ignore")
+    become_rank(rank, WORLD, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.hf_weights import export_hf_state_dict
     from learner.model import shutdown_distributed
@@ -73,14 +66,8 @@ def test_two_ranks_equal_one(pattern, tp, ep, tmp_path):
     single.shutdown()
 
     out_path = str(tmp_path / "rank0.pt")
-    ctx = mp.start_processes(_worker, args=(free_port(), model_dir, tp, ep, batch, out_path), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"learner ranks (TP={tp}, EP={ep}) did not finish within {TIMEOUT_S} s")
+    run_ranks(_worker, model_dir, tp, ep, batch, out_path, timeout_s=TIMEOUT_S,
+              what=f"learner ranks (TP={tp}, EP={ep})")
     tp = torch.load(out_path, weights_only=False)
 
     source = load_file(f"{model_dir}/model.safetensors")

@@ -7,15 +7,10 @@ tied output weights and TP=2 (two gloo processes, vocabulary split) included.
 """
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-
-from services.cluster import free_port
+from gloo_ranks import become_rank, run_ranks
 
 TOL = 1e-5
 LENGTHS = (37, 5, 64, 2, 19, 11)
@@ -101,10 +96,7 @@ def test_boundaries_and_chunks_equal_the_dense_mask(family, family_models):
 
 
 def _tp_worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import warnings
-    warnings.filterwarnings("ignore")
+    become_rank(rank, 2, port)
     from learner.model import shutdown_distributed
 
     gpt = _model(model_dir, "sdpa", tp=2)
@@ -118,14 +110,8 @@ def _tp_worker(rank: int, port: int, model_dir: str, out_path: str) -> None:
 
 def test_chunked_logprobs_tensor_parallel(tiny_model_dir, tmp_path):
     out = str(tmp_path / "rank0.pt")
-    ctx = mp.start_processes(_tp_worker, args=(free_port(), tiny_model_dir, out), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"TP=2 ranks did not finish within {TIMEOUT_S} s")
+    run_ranks(_tp_worker, tiny_model_dir, out, timeout_s=TIMEOUT_S,
+              what="TP=2 ranks")
     tp2 = torch.load(out)
     gpt = _model(tiny_model_dir, "sdpa")
     single = _scores(gpt, _rows(gpt.vocab_size), chunk=None)

@@ -3,17 +3,13 @@ norm and updated weights as one process; export from them is exact and checkpoin
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from safetensors.torch import load_file
-
-from services.cluster import free_port
-
+from gloo_ranks import become_rank, run_ranks
 from learner_batches import groups, make_learner, sequences
+from safetensors.torch import load_file
 
 WORLD = 2
 TIMEOUT_S = 240.0
@@ -21,10 +17,7 @@ TIMINGS = ("policy_training_s", "tokens_per_s")
 
 
 def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import warnings
-    warnings.filterwarnings("ignore")
+    become_rank(rank, WORLD, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.hf_weights import export_hf_state_dict
     from learner.model import shutdown_distributed
@@ -55,14 +48,8 @@ def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_p
 
 
 def _run_two_ranks(model_dir: str, tp: int, ep: int, batch, out_path: str) -> dict:
-    ctx = mp.start_processes(_worker, args=(free_port(), model_dir, tp, ep, batch, out_path), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"learner ranks (TP={tp}, EP={ep}) did not finish within {TIMEOUT_S} s")
+    run_ranks(_worker, model_dir, tp, ep, batch, out_path, timeout_s=TIMEOUT_S,
+              what=f"learner ranks (TP={tp}, EP={ep})")
     return torch.load(out_path, weights_only=False)
 
 

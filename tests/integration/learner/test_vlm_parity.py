@@ -5,12 +5,12 @@ tensor-parallel ranks equal one."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import become_rank, run_ranks
 from learner_batches import make_learner
 from safetensors.torch import load_file
 
@@ -194,11 +194,7 @@ def test_a_step_with_the_tower_trained_changes_it_and_exports_it(vlm_dir, tmp_pa
 
 
 def _tp_worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> None:
-    import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import warnings
-    warnings.filterwarnings("ignore")
+    become_rank(rank, 2, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.hf_weights import export_hf_state_dict
     from learner.model import shutdown_distributed
@@ -220,10 +216,8 @@ def _tp_worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> No
 def test_tensor_parallel_ranks_replicate_the_tower_and_equal_one_rank(vlm_dir, tmp_path):
     """TP=2 in two gloo processes, the tower trained: the same log-probs, loss, gradient norm (the replicated
     tower counted once) and updated weights as one process."""
-    import torch.multiprocessing as mp
 
     from learner.hf_weights import export_hf_state_dict
-    from services.cluster import free_port
 
     single = make_learner(vlm_dir, freeze_vision_tower=False)
     lps = single.logprobs(*image_prompts(single, vlm_dir))
@@ -232,14 +226,8 @@ def test_tensor_parallel_ranks_replicate_the_tower_and_equal_one_rank(vlm_dir, t
     state = export_hf_state_dict(single.gpt, single.arch, single.hf_metas)
     single.shutdown()
     out = str(tmp_path / "rank0.pt")
-    ctx = mp.start_processes(_tp_worker, args=(free_port(), vlm_dir, batch, out), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 240.0
-    while not ctx.join(timeout=5.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("the two TP ranks did not finish within 240 s")
+    run_ranks(_tp_worker, vlm_dir, batch, out, timeout_s=240.0,
+              what="the two TP ranks")
     multi = torch.load(out, weights_only=False)
     assert max_diff(lps, multi["logprobs"]) < 1e-5
     for key in ("loss", "grad_norm"):
