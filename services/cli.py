@@ -43,6 +43,7 @@ from services import console
 from services.cluster_auth import ClusterConnectError
 from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
+from services.local_engine import LocalEngineError
 from services.pool.startup import PoolStartError
 from services.recipe_checks import check_recipe
 
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     except PoolStartError as err:  # the pool removed what it had made; one line, no traceback
         print(f"inflight: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except (RecipeError, UserError) as err:
+    except (RecipeError, UserError, LocalEngineError) as err:
         print(f"inflight: {'recipe error: ' if isinstance(err, RecipeError) else ''}{err}", file=sys.stderr)
         return EXIT_USER_ERROR
     except LearnerJobError as err:  # a job that failed or did not end in time: 1; a mistake in the call: 2

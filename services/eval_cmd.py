@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from protocol import PromptRequest, TrajectoryGroup
     from services.config import Recipe
 
-EXIT_USER_ERROR = 2
-
 
 def add_commands(sub) -> None:
     """Register ``eval`` and ``generate`` on the ``inflight`` parser's subcommands."""
@@ -81,14 +79,7 @@ def default_out(choice: ModelChoice, k: int) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    try:
-        return _eval(args)
-    except LocalEngineError as err:
-        print(f"inflight: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
-
-
-def _eval(args: argparse.Namespace) -> int:
+    """A LocalEngineError is one line, exit 2 (services.cli.main)."""
     from services.job.prompt_source import validation_prompts
 
     quiet_libraries(args.verbose)

@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from rollout.reward_types import RewardInput
     from services.config import Recipe
 
-EXIT_USER_ERROR = 2
-
 
 def add_generate_command(sub) -> None:
     from services.eval_cmd import add_model_arguments
@@ -66,14 +64,7 @@ def check_counts(n: int, max_tokens: int | None, temperature: float | None) -> N
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    try:
-        return _generate(args)
-    except LocalEngineError as err:
-        print(f"inflight: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
-
-
-def _generate(args: argparse.Namespace) -> int:
+    """A LocalEngineError is one line, exit 2 (services.cli.main)."""
     import numpy as np
     from transformers import AutoTokenizer
 
