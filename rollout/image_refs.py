@@ -5,8 +5,8 @@ A data row names an image by a path, a ``data:image/...;base64,`` URI, the bytes
 A path is read only when its real path (symlinks resolved) lies inside the data's own directory (``base_dir``: the
 data file's directory or the ``save_to_disk`` directory) or one of :attr:`ImageLimits.roots` (``data.image_roots``):
 ``../x.png``, ``/etc/passwd`` and a symlink to outside fail with ``outside_root`` without being opened. Only a
-regular file is read (a FIFO, a device such as ``/dev/zero``, a directory fail with ``not_a_file``; the file is
-opened non-blocking and checked again on its descriptor), and never more than ``max_bytes + 1`` bytes of it.
+regular file is read, never more than ``max_bytes + 1`` bytes of it (:mod:`rollout.regular_file`: a FIFO, a device
+such as ``/dev/zero``, a directory fail with ``not_a_file``).
 Which decoders may then look at the bytes is :data:`IMAGE_FORMATS` (``rollout.images``).
 """
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from rollout.regular_file import FileRefused, read_regular_file
 
 ImageRef = str | bytes | Mapping[str, object]
 """How a dataset row names an image: a file path (relative ones against the data file's directory), a
@@ -109,23 +110,13 @@ def read_path(ref: str, base_dir: str | None, limits: ImageLimits) -> bytes | Im
         return ImageFailure("outside_root", f"{path}: resolves to {real}, outside {where}; image paths are read only "
                                             f"under the data file's directory and data.image_roots")
     try:
-        if not stat.S_ISREG(os.stat(real).st_mode):
+        return read_regular_file(real, limits.max_bytes, follow_symlinks=False)
+    except FileRefused as refused:
+        if refused.kind == "not_a_file":
             return ImageFailure("not_a_file", f"{path}: not a regular file (a FIFO, device, directory or socket)")
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        return ImageFailure("too_many_bytes", f"{path}: {refused.size} bytes, over max_bytes {limits.max_bytes}")
     except OSError as e:
         return ImageFailure("missing", f"{path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
-            return ImageFailure("not_a_file", f"{path}: not a regular file")
-        if st.st_size > limits.max_bytes:
-            return ImageFailure("too_many_bytes", f"{path}: {st.st_size} bytes, over max_bytes {limits.max_bytes}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limits.max_bytes + 1)  # a file whose size lies (/proc) still reads bounded
-    except OSError as e:
-        return ImageFailure("missing", f"{path}: cannot be read ({type(e).__name__}: {e.strerror or e})")
-    finally:
-        os.close(fd)
 
 
 def _inside(path: str, root: str) -> bool:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rollout.regular_file import FileRefused, read_regular_file
 
 MAX_RECIPE_BYTES = 1 << 20
 """Largest recipe file read (1 MiB; NeMo-RL's largest recipes are ~20 KiB)."""
@@ -52,16 +53,12 @@ def read_bounded(path: Path, what: str = "recipe") -> str:
     """The UTF-8 text of the regular file ``path`` (at most :data:`MAX_RECIPE_BYTES`); a FIFO, a device, a
     directory, a larger file or undecodable bytes are a :class:`RecipeError` that quotes none of the content."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        data = read_regular_file(path, MAX_RECIPE_BYTES)
+    except FileRefused as refused:
+        raise RecipeError("", f"{what} {path}: " + ("not a regular file" if refused.kind == "not_a_file"
+                                                    else f"larger than {MAX_RECIPE_BYTES} bytes")) from None
     except OSError as exc:
         raise RecipeError("", f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise RecipeError("", f"{what} {path}: not a regular file")
-        data = f.read(MAX_RECIPE_BYTES + 1)
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError("", f"{what} {path}: larger than {MAX_RECIPE_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
