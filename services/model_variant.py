@@ -25,6 +25,13 @@ TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special
                              "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                              "chat_template.jinja", "chat_template.json"})
 """The files that make a Hugging Face tokenizer (what ``AutoTokenizer.from_pretrained`` reads)."""
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+"""A directory holds a tokenizer when it has one of these (what the run loads the tokenizer from)."""
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds a tokenizer (:data:`TOKENIZER_MARKERS`)."""
+    return any((directory / f).is_file() for f in TOKENIZER_MARKERS)
 
 
 def resolve_policy_model(policy: PolicyConfig) -> str:
@@ -42,10 +49,9 @@ def resolve_policy_model(policy: PolicyConfig) -> str:
 def model_variant(model_dir: Path, tokenizer_dir: Path | None, overrides: dict[str, Any]) -> Path:
     """The variant directory of ``model_dir`` with ``tokenizer_dir``'s tokenizer and ``overrides`` in its
     ``config.json``; made once per distinct input (a hash of the paths, the overrides and the model's config)."""
-    if tokenizer_dir is not None and not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json",
-                                                                                     "tokenizer_config.json")):
+    if tokenizer_dir is not None and not has_tokenizer(tokenizer_dir):
         raise ValueError(f"policy.tokenizer.name: {str(tokenizer_dir)!r} is not a tokenizer directory (no "
-                         f"tokenizer.json or tokenizer_config.json)")
+                         f"{' or '.join(TOKENIZER_MARKERS)})")
     config = json.loads((model_dir / "config.json").read_text())
     for key in overrides:
         if not isinstance(key, str) or not key:

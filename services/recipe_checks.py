@@ -17,11 +17,10 @@ from pathlib import Path
 from services.config import PolicyConfig, Recipe, RecipeError
 from services.config_data import HUB_PREFIX
 from services.engine_checks import check_vllm_kwargs
+from services.model_variant import TOKENIZER_MARKERS, has_tokenizer
 
 FIRST_ROWS = 8
 """Rows of each data file mapped to a prompt and an answer (the run maps every row as it draws it)."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""A model directory holds a tokenizer when it has one of these (the engines and the learner load it there)."""
 
 
 @dataclass(frozen=True)
@@ -108,25 +107,21 @@ def _check_model(policy: PolicyConfig, here: bool, checks: RecipeChecks) -> None
         except ValueError as err:
             checks.add(key, name, err)
             return
-        if own_tokenizer and not name.startswith("tiny://") and not _has_tokenizer(path):
-            checks.add(key, name, f"no tokenizer in the model directory (expected one of {list(TOKENIZER_FILES)}: "
+        if own_tokenizer and not name.startswith("tiny://") and not has_tokenizer(path):
+            checks.add(key, name, f"no tokenizer in the model directory (expected one of {list(TOKENIZER_MARKERS)}: "
                                   f"the engines and the learner load it from there; or set policy.tokenizer.name)")
     elif path.exists() or here:
         checks.add(key, name, "no model directory here (no config.json); expected a local Hugging Face checkpoint "
                               "directory (hub ids are not downloaded) or tiny://ARCH")
     else:
         checks.notes.append(f"{key}: {check_model(name)}")
-    if tokenizer is not None and not own_tokenizer and not _has_tokenizer(Path(tokenizer).expanduser()):
+    if tokenizer is not None and not own_tokenizer and not has_tokenizer(Path(tokenizer).expanduser()):
         if Path(tokenizer).expanduser().exists() or here:
             checks.add("policy.tokenizer.name", tokenizer, f"not a tokenizer directory here (expected one of "
-                                                           f"{list(TOKENIZER_FILES)})")
+                                                           f"{list(TOKENIZER_MARKERS)})")
         else:
             checks.notes.append(f"policy.tokenizer.name: not checked: {tokenizer!r} is not a directory on this "
                                 f"machine; a run needs a local tokenizer directory")
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
 def _check_prompt_files(recipe: Recipe, checks: RecipeChecks) -> None:
