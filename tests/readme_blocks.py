@@ -11,11 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def readme_commands(section: str) -> list[str]:
-    """The commands of the first bash block under the README heading ``section`` (trailing ``  # notes`` cut)."""
+    """The commands of the first bash block under the README heading ``section`` (trailing ``  # notes`` cut; a
+    line ending in ``\\`` continues on the next, as in bash)."""
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text[text.index(section):], re.S)
     assert block, f"README.md: no bash block under {section!r}"
-    return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    joined = re.sub(r"\\\n\s*", " ", block.group(1))
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
 
 
 def run_as_user(tmp_path: Path, commands: Sequence[str], links: Sequence[str] = (".venv", "scripts", "recipes"),
