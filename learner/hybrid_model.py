@@ -11,9 +11,9 @@ loss); what it cannot run here is replaced. Its ``mamba_stack_spec`` is Transfor
   :class:`~learner.mamba_mixer.TorchMambaMixer`;
 - :class:`HybridStack` builds one layer per pattern symbol (names as ``MambaStack``'s:
   ``decoder.layers.i.*``, ``decoder.final_norm``) and gives the Mamba layers the packed sequences'
-  boundaries, the attention layers the (block-diagonal) attention mask;
-- :class:`HybridModel` (a ``MambaModel``) finds the boundaries where ``position_ids`` restart at 0 —
-  the packer restarts them per sequence — unless ``packed_seq_params`` brings ``cu_seqlens_q``.
+  boundaries, the attention layers theirs: both from the packed row's ``packed_seq_params``
+  (:func:`learner.attention.packed_row`, ``cu_seqlens_q``), which the learner passes with every row;
+- :class:`HybridModel` is a ``MambaModel`` over that stack.
 
 :func:`hybrid_transformer_config`: squared-ReLU, non-gated MLPs and experts; sigmoid routing with the
 expert-score correction bias (a buffer, never updated: bias update rate 0), top-k scaling factor, shared
@@ -169,48 +169,26 @@ class HybridStack(MegatronModule):
         raise NotImplementedError("HybridStack runs without pipeline parallelism")
 
     def _layer(self, i: int, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-               mamba_params: PackedSeqParams | None, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
+               packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
         layer = self.layers[i]
         if self.pattern[i] == "M":
-            return layer(hidden, packed_seq_params=mamba_params)
+            return layer(hidden, packed_seq_params=packed_seq_params)
         out, _ = layer(hidden_states=hidden, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
         return out
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                mamba_params: PackedSeqParams | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        """``[s, b, h]`` through every layer and the final norm; ``mamba_params.cu_seqlens_q``: the packed
-        sequences' starts (Mamba layers), ``attention_mask``/``packed_seq_params``: the attention layers'."""
+        """``[s, b, h]`` through every layer and the final norm; ``packed_seq_params.cu_seqlens_q``: the packed
+        sequences' starts, for the Mamba and the attention layers alike (None: each row is one sequence)."""
         from torch.utils.checkpoint import checkpoint
 
         for i in range(len(self.layers)):
             if self.recompute and self.training:
-                hidden_states = checkpoint(self._layer, i, hidden_states, attention_mask, mamba_params,
-                                           packed_seq_params, use_reentrant=False)
+                hidden_states = checkpoint(self._layer, i, hidden_states, attention_mask, packed_seq_params,
+                                           use_reentrant=False)
             else:
-                hidden_states = self._layer(i, hidden_states, attention_mask, mamba_params, packed_seq_params)
+                hidden_states = self._layer(i, hidden_states, attention_mask, packed_seq_params)
         return self.final_norm(hidden_states)
-
-
-def sequence_starts(position_ids: torch.Tensor | None) -> PackedSeqParams | None:
-    """``PackedSeqParams`` whose ``cu_seqlens_q`` are the starts of a packed row's sequences (where
-    ``position_ids`` restart at 0) and its length; None when each row is one sequence."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    if position_ids is None:
-        return None
-    restarts = position_ids[:, 1:] == 0
-    if not bool(restarts.any()):
-        return None
-    if position_ids.shape[0] != 1:
-        raise ValueError(f"packed sequences (position_ids restarting at 0) must be one row, "
-                         f"got {position_ids.shape[0]} rows")
-    total = position_ids.shape[1]
-    starts = torch.cat([position_ids.new_zeros(1), torch.nonzero(restarts[0]).flatten() + 1,
-                        position_ids.new_full((1,), total)]).to(torch.int32)
-    lengths = starts[1:] - starts[:-1]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=starts, cu_seqlens_kv=starts,
-                           max_seqlen_q=int(lengths.max()), max_seqlen_kv=int(lengths.max()))
 
 
 class HybridModel(MambaModel):
@@ -225,10 +203,7 @@ class HybridModel(MambaModel):
             raise NotImplementedError("HybridModel scores and trains; generation runs in the engines")
         if decoder_input is None:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        has_cu = packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None
-        mamba_params = packed_seq_params if has_cu else sequence_starts(position_ids)
-        hidden = self.decoder(decoder_input, attention_mask, mamba_params=mamba_params,
-                              packed_seq_params=packed_seq_params)
+        hidden = self.decoder(decoder_input, attention_mask, packed_seq_params=packed_seq_params)
         if not self.post_process:  # the caller runs the output layer (learner.logprobs)
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
