@@ -65,9 +65,14 @@ def packed_row(blocks: Sequence[int], device: torch.device) -> PackedRow:
                      max_seqlen_kv=total, blocks=tuple(int(n) for n in blocks))
 
 
+def block_ids(blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    """``[T]``: the index of the block each position of a row made of ``blocks`` lies in."""
+    return torch.repeat_interleave(torch.arange(len(blocks), device=device), torch.tensor(list(blocks), device=device))
+
+
 def block_diagonal_causal_mask(blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
     """``[1, 1, T, T]`` bool mask, True where position q may NOT attend to position k (``local`` only)."""
-    seg = torch.repeat_interleave(torch.arange(len(blocks), device=device), torch.tensor(list(blocks), device=device))
+    seg = block_ids(blocks, device)
     same = seg[:, None] == seg[None, :]
     causal = torch.ones(seg.numel(), seg.numel(), dtype=torch.bool, device=device).tril()
     return (~(same & causal))[None, None]
@@ -89,8 +94,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PackedRow, sca
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if row.block_mask is None:
-        doc = torch.repeat_interleave(torch.arange(len(row.blocks), device=q.device),
-                                      torch.tensor(row.blocks, device=q.device))
+        doc = block_ids(row.blocks, q.device)
         total = int(doc.numel())
         row.block_mask = create_block_mask(_document_causal(doc), None, None, total, total, device=q.device,
                                            _compile=q.is_cuda)
