@@ -4,6 +4,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from time_budget import (  # noqa: F401  (hooks: each module's seconds, tests/budgets.toml)
+    pytest_addoption,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -51,7 +57,8 @@ def tiny_moe_dir(tmp_path_factory):
 
 FAMILIES = {"qwen2": ("qwen2", False), "qwen2_tied": ("qwen2", True), "qwen3": ("qwen3", False),
             "llama": ("llama", False), "llama3": ("llama3", False), "qwen3_moe": ("qwen3_moe", False),
-            "mistral": ("mistral", False)}
+            "mistral": ("mistral", False), "nemotron_h": ("nemotron_h", False),
+            "nemotron_h_moe": ("nemotron_h_moe", False)}
 """Every supported model family as a tiny model: name -> (``make_tiny_model`` arch, tie_word_embeddings)."""
 
 
