@@ -62,7 +62,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run() -> dict:
-    root = Path(__file__).resolve().parents[4]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(root),
                                "TMPDIR": tempfile.mkdtemp(prefix="psg", dir="/tmp")})
