@@ -71,9 +71,10 @@ class RolloutPool:
         self.token_rates = TokenRates()
         self.fleet = Fleet(self.recipe, model_path, self.metrics)
         self.dispatcher = Dispatcher(self.fleet)
-        self.fanout = ObjectStoreFanout(self.fleet)
-        self.group = WeightGroup(self.fleet)
-        self.ipc = IpcFanout(self.fleet)
+        refit_timeout_s = self.recipe.policy.refit_timeout_s
+        self.fanout = ObjectStoreFanout(self.fleet, refit_timeout_s)
+        self.group = WeightGroup(self.fleet, refit_timeout_s)
+        self.ipc = IpcFanout(self.fleet, refit_timeout_s)
         self.watcher = HealthWatcher(self.fleet, self.dispatcher, self.fanout.reinstall)
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None

@@ -5,8 +5,9 @@ version the pool serves, the last object-store push it keeps for engines that
 restart, the refit lock every install takes, and the errors ``status`` shows.
 It boots the engines (:mod:`services.pool.startup`), scales their number while
 the pool serves (:meth:`Fleet.scale`), shuts them down, and runs the calls that
-go to every engine (sleep, wake, stats, log-probs). Dispatch, the health
-watcher and the weight transports work on it.
+go to every engine (sleep, wake, stats, log-probs). Dispatch and the health
+watcher work on it; the weight transports see it as their port
+(:class:`services.refit.port.PoolPort`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from services.pool.startup import (
     engine_name,
     reason,
 )
+from services.refit.port import KeptPush
 from services.refit.result import RefitError, describe, failure_reason
 
 if TYPE_CHECKING:
@@ -55,14 +57,6 @@ Admit = Callable[[str], Awaitable[None]]
 Drain = Callable[[list[str], float], Awaitable[int]]
 """Stop giving engines work, let their batches finish within a bound, hand back the rest; returns the prompts
 handed back (:meth:`services.pool.dispatch.Dispatcher.drain`)."""
-
-
-@dataclass(frozen=True)
-class KeptPush:
-    """The last object-store push: its manifest and the pool's own copy of its buckets."""
-
-    manifest_bytes: bytes
-    refs: list
 
 
 class ScaleRequestError(ValueError):
@@ -157,6 +151,23 @@ class Fleet:
         if eid in self.handles:  # not an engine a scale-down removed meanwhile
             self.table.mark_up(eid, version, pid, incarnation)
             self.metrics.engine_up.labels(engine=eid).set(1)
+
+    # ------------------------------------------------------------ the weight transports' port (PoolPort)
+    def engines_up(self) -> list[str]:
+        return self.table.up()
+
+    def engine_version(self, eid: str) -> int | None:
+        return self.table[eid].version
+
+    def incarnation(self, eid: str) -> str | None:
+        return self.table[eid].incarnation
+
+    def installed(self, eid: str, version: int) -> None:
+        self.table.set_version(eid, version)
+
+    def advance(self, version: int, kept: KeptPush | None) -> None:
+        self.version, self.kept = version, kept
+        self.metrics.policy_version.set(version)
 
     def mark_down(self, eid: str, exc: BaseException) -> None:
         if eid in self.handles:

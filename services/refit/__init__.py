@@ -5,8 +5,10 @@ holds both ends of a push through the Ray object store,
 :mod:`services.refit.collective` both halves of the weight-group handshake,
 :mod:`services.refit.cuda_ipc` both ends of a push that a colocated engine maps
 from the learner's GPU memory, and :mod:`services.refit.result` what a push
-returns (:class:`RefitResult`) and how a failed one is named. The learner job builds its side with :func:`make_refit`;
-the pool builds the other halves on its fleet.
+returns (:class:`RefitResult`) and how a failed one is named. The learner job
+builds its side with :func:`make_refit`; the pool builds the other halves on
+:class:`services.refit.port.PoolPort`, what a push needs from the pool (its
+``Fleet`` implements it): nothing here imports the pool or the job.
 """
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.refit.result import GroupInstall, RefitResult, engine_failures, fold_installs
+from services.refit.port import PoolPort, engine_failures, fold_installs
+from services.refit.result import GroupInstall, RefitResult
 
 if TYPE_CHECKING:
     from services.config import Recipe
-    from services.pool.fleet import Fleet
 
 log = logging.getLogger("inflight.refit")
 CALL_TIMEOUT_S = 10.0
@@ -94,27 +94,31 @@ def _settle(response: Any, timeout_s: float) -> None:
 class WeightGroup:
     """The pool's side: which engine incarnations are in the learner's weight group, and their installs."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, pool: PoolPort, refit_timeout_s: float):
+        self.pool = pool
+        self.refit_timeout_s = refit_timeout_s
+        """How long the engines may take to install when the learner names no bound (``policy.refit_timeout_s``)."""
         self.members: dict[str, str | None] | None = None
         """Engine id -> its incarnation, while the group stands."""
 
     def current(self) -> bool:
         """True while the weight group holds exactly the engine incarnations that are up."""
-        return self.members is not None and self.members == self.fleet.table.incarnations_up()
+        pool = self.pool
+        return self.members is not None and self.members == {e: pool.incarnation(e) for e in pool.engines_up()}
 
     def wanting_weights(self) -> list[str]:
         """Engines that are up but not at the pool's version (restarted; waiting for a push)."""
-        return self.fleet.table.behind(self.fleet.version)
+        pool = self.pool
+        return [e for e in pool.engines_up() if pool.engine_version(e) != pool.version]
 
     async def plan(self, timeout_s: float) -> GroupPlan:
         """Ranks a new weight group gives the engines that are up; waits at most ``timeout_s`` for one."""
-        fleet = self.fleet
-        await fleet.some_engine_up(timeout_s)
-        up = fleet.table.up()
+        pool = self.pool
+        await pool.some_engine_up(timeout_s)
+        up = pool.engines_up()
         if not up:
-            raise fleet.refit_failed("?", {"pool": RuntimeError("no engine is up")})
-        sizes = await asyncio.gather(*[asyncio.wait_for(fleet.handles[e].weight_group_members.remote(),
+            raise pool.refit_failed("?", {"pool": RuntimeError("no engine is up")})
+        sizes = await asyncio.gather(*[asyncio.wait_for(pool.handles[e].weight_group_members.remote(),
                                                         CALL_TIMEOUT_S) for e in up])
         ranks, world = {}, 1
         for eid, n in zip(up, sizes, strict=True):
@@ -124,18 +128,18 @@ class WeightGroup:
     async def join(self, host: str, port: int, plan: GroupPlan, timeout_s: float) -> GroupPlan:
         """Have the planned engines join the learner's weight group at ``host:port`` (the learner joins as
         rank 0 at the same time); bounded by ``timeout_s``."""
-        fleet = self.fleet
-        async with fleet.refit_lock:
+        pool = self.pool
+        async with pool.refit_lock:
             self.members = None
             eids = list(plan.ranks)
-            results = await asyncio.gather(*[asyncio.wait_for(fleet.handles[e].join_weight_group.remote(
+            results = await asyncio.gather(*[asyncio.wait_for(pool.handles[e].join_weight_group.remote(
                 host, port, plan.ranks[e], plan.world_size, timeout_s), timeout_s + 60) for e in eids],
                 return_exceptions=True)
-            failed = engine_failures(fleet, eids, results)
+            failed = engine_failures(pool, eids, results)
             if failed:
-                raise fleet.refit_failed("?", failed)
-            self.members = {e: fleet.table[e].incarnation for e in eids}
-            log.info("pool %s: weight group %s:%d formed with %s (world %d)", fleet.name, host, port, eids,
+                raise pool.refit_failed("?", failed)
+            self.members = {e: pool.incarnation(e) for e in eids}
+            log.info("pool %s: weight group %s:%d formed with %s (world %d)", pool.name, host, port, eids,
                      plan.world_size)
             return plan
 
@@ -144,19 +148,19 @@ class WeightGroup:
 
         Atomic per engine; the pool's version advances only if all of them installed it. Any failure drops
         the group (the learner re-forms it before its next attempt)."""
-        fleet = self.fleet
-        timeout_s = timeout_s or fleet.recipe.policy.refit_timeout_s
+        pool = self.pool
+        timeout_s = timeout_s or self.refit_timeout_s
         t0 = time.perf_counter()
-        async with fleet.refit_lock:
+        async with pool.refit_lock:
             if self.members is None:
-                raise fleet.refit_failed("?", {"pool": RuntimeError("no weight group: the learner must form "
-                                                                    "one first (weight_group_plan)")})
+                raise pool.refit_failed("?", {"pool": RuntimeError("no weight group: the learner must form "
+                                                                   "one first (weight_group_plan)")})
             eids = list(self.members)
-            answers = await asyncio.gather(*[asyncio.wait_for(fleet.handles[e].install_from_group.remote(reset),
+            answers = await asyncio.gather(*[asyncio.wait_for(pool.handles[e].install_from_group.remote(reset),
                                                               timeout_s) for e in eids], return_exceptions=True)
-            failed = engine_failures(fleet, eids, answers)
+            failed = engine_failures(pool, eids, answers)
             if failed:
                 self.members = None
-                raise fleet.refit_failed("?", failed)
+                raise pool.refit_failed("?", failed)
             results: list[GroupInstall] = [r for r in answers if isinstance(r, GroupInstall)]
-            return fold_installs(fleet, eids, results, time.perf_counter() - t0, "collective")
+            return fold_installs(pool, eids, results, time.perf_counter() - t0, "collective")

@@ -7,7 +7,7 @@ checksums and shares each bucket through a CUDA IPC handle
 (``learner/ipc_export.py``); only the manifest and the handles (a few hundred
 bytes each) travel, through Ray. The pool (:class:`IpcFanout`) has the engine
 map the buckets, check them on the device and **install** them in flight,
-copying straight out of the learner's memory (``rollout/ipc_receiver.py``);
+copying straight out of the learner's memory (``rollout/install/ipc_receiver.py``);
 the learner keeps the buffers until the pool has answered and frees them then,
 whatever the outcome. Atomic per engine like every transport; the pool keeps
 no copy, so an engine that restarts waits for the learner's next push.
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.refit.object_store import ObjectStoreRefit
-from services.refit.result import GroupInstall, RefitResult, engine_failures, fold_installs
+from services.refit.port import PoolPort, engine_failures, fold_installs
+from services.refit.result import GroupInstall, RefitResult
 
 if TYPE_CHECKING:
     from services.config import Recipe
-    from services.pool.fleet import Fleet
 
 log = logging.getLogger("inflight.refit")
 CALL_TIMEOUT_S = 30.0
@@ -113,23 +113,25 @@ class CudaIpcRefit:
 class IpcFanout:
     """The pool's side: the engine on the learner's GPU maps, checks and installs the shared buckets."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, pool: PoolPort, refit_timeout_s: float):
+        self.pool = pool
+        self.refit_timeout_s = refit_timeout_s
+        """How long the engine may take to install when the learner names no bound (``policy.refit_timeout_s``)."""
         self._gpus: dict[str, tuple[str | None, tuple[str, ...]]] = {}
         """Engine id -> (incarnation, its workers' GPU UUIDs), asked once per incarnation."""
 
     async def plan(self, gpu: str) -> IpcPlan:
         """Which engines that are up have ``gpu`` as their only GPU."""
-        up = self.fleet.table.up()
+        up = self.pool.engines_up()
         gpus = await asyncio.gather(*[self._engine_gpus(e) for e in up])
         sharing = tuple(e for e, g in zip(up, gpus, strict=True) if gpu and g == (gpu,))
         return IpcPlan(gpu, sharing, tuple(e for e in up if e not in sharing))
 
     async def _engine_gpus(self, eid: str) -> tuple[str, ...]:
-        incarnation = self.fleet.table[eid].incarnation
+        incarnation = self.pool.incarnation(eid)
         known = self._gpus.get(eid)
         if known is None or known[0] != incarnation:
-            uuids = await asyncio.wait_for(self.fleet.handles[eid].gpu_uuids.remote(), CALL_TIMEOUT_S)
+            uuids = await asyncio.wait_for(self.pool.handles[eid].gpu_uuids.remote(), CALL_TIMEOUT_S)
             known = self._gpus[eid] = (incarnation, tuple(uuids))
         return known[1]
 
@@ -137,20 +139,20 @@ class IpcFanout:
                       timeout_s: float | None = None) -> RefitResult:
         """The engine on ``gpu`` installs the push from the learner's shared buckets, within ``timeout_s``
         (default ``policy.refit_timeout_s``); the pool's version advances only if it did."""
-        fleet = self.fleet
-        timeout_s = timeout_s or fleet.recipe.policy.refit_timeout_s
+        pool = self.pool
+        timeout_s = timeout_s or self.refit_timeout_s
         started = time.perf_counter()
-        await fleet.some_engine_up(timeout_s)
-        async with fleet.refit_lock:
+        await pool.some_engine_up(timeout_s)
+        async with pool.refit_lock:
             plan = await self.plan(gpu)
             if why := plan.refusal():  # the engines changed since the learner asked
-                raise fleet.refit_failed("?", {"pool": RuntimeError(f"cuda_ipc: {why}")})
+                raise pool.refit_failed("?", {"pool": RuntimeError(f"cuda_ipc: {why}")})
             eids = list(plan.sharing)
             answers = await asyncio.gather(*[asyncio.wait_for(
-                fleet.handles[e].install_ipc.remote(manifest_bytes, shares, reset), timeout_s) for e in eids],
+                pool.handles[e].install_ipc.remote(manifest_bytes, shares, reset), timeout_s) for e in eids],
                 return_exceptions=True)
-            failed = engine_failures(fleet, eids, answers)
+            failed = engine_failures(pool, eids, answers)
             if failed:
-                raise fleet.refit_failed("?", failed)
+                raise pool.refit_failed("?", failed)
             results = [r for r in answers if isinstance(r, GroupInstall)]
-            return fold_installs(fleet, eids, results, time.perf_counter() - started, "cuda_ipc")
+            return fold_installs(pool, eids, results, time.perf_counter() - started, "cuda_ipc")

@@ -16,11 +16,11 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import WeightManifest, decode
-from services.refit.result import GroupInstall, RefitResult, engine_gone, record_install_metrics, slowest
+from services.refit.port import KeptPush, PoolPort, land, record_install_metrics
+from services.refit.result import GroupInstall, RefitResult, engine_gone, slowest
 
 if TYPE_CHECKING:
     from services.config import Recipe
-    from services.pool.fleet import Fleet
 
 log = logging.getLogger("inflight.refit")
 STATS_TIMEOUT_S = 10.0
@@ -48,8 +48,11 @@ class ObjectStoreRefit:
 class ObjectStoreFanout:
     """The pool's side: every engine that is up installs the push; the pool keeps it for those that restart."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, pool: PoolPort, refit_timeout_s: float):
+        self.pool = pool
+        self.refit_timeout_s = refit_timeout_s
+        """How long the buckets, and again the engines, may take when the learner names no bound
+        (``policy.refit_timeout_s``)."""
 
     async def push(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False,
                    timeout_s: float | None = None) -> RefitResult:
@@ -58,24 +61,22 @@ class ObjectStoreFanout:
         during the push, get it from the watcher before they serve again."""
         import ray
 
-        from services.pool.fleet import KeptPush
-
-        fleet = self.fleet
-        timeout_s = timeout_s or fleet.recipe.policy.refit_timeout_s
+        pool = self.pool
+        timeout_s = timeout_s or self.refit_timeout_s
         t0 = time.perf_counter()
-        await fleet.some_engine_up(timeout_s)
-        async with fleet.refit_lock:
+        await pool.some_engine_up(timeout_s)
+        async with pool.refit_lock:
             try:
                 manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
                 # The pool keeps its own copy of the buckets for engines that restart later.
                 datas = await asyncio.wait_for(asyncio.gather(*bucket_refs), timeout_s)
             except Exception as exc:  # noqa: BLE001 - classified, counted and raised with the cause
-                raise fleet.refit_failed("?", {"pool": exc}) from None
+                raise pool.refit_failed("?", {"pool": exc}) from None
             owned = [ray.put(d) for d in datas]
-            targets = fleet.table.up()
+            targets = pool.engines_up()
             # An engine that installed this very version in an attempt that failed elsewhere keeps it: the
             # learner's retry would otherwise be rejected there as "not newer" (a reset push installs again).
-            installed = [] if reset else [e for e in targets if fleet.table[e].version == manifest.version]
+            installed = [] if reset else [e for e in targets if pool.engine_version(e) == manifest.version]
             targets = [e for e in targets if e not in installed]
             results = await asyncio.gather(*[self._install(eid, manifest_bytes, owned, reset, timeout_s)
                                              for eid in targets], return_exceptions=True)
@@ -86,17 +87,15 @@ class ObjectStoreFanout:
                     installed.append(eid)
                     reports += [res] if res is not None else []
                 elif engine_gone(res):  # restarted later with the latest weights
-                    fleet.mark_down(eid, res)
+                    pool.mark_down(eid, res)
                 else:
                     failed[eid] = res
             if failed or not installed:
-                raise fleet.refit_failed(manifest.version, failed or {"pool": RuntimeError("no engine is up")})
+                raise pool.refit_failed(manifest.version, failed or {"pool": RuntimeError("no engine is up")})
             seconds = time.perf_counter() - t0
-            fleet.version, fleet.kept = manifest.version, KeptPush(manifest_bytes, owned)
-            fleet.metrics.policy_version.set(fleet.version)
-            fleet.metrics.refit_seconds.observe(seconds)
-            fleet.metrics.refit_bytes.inc(manifest.total_bytes * len(installed))
-            return RefitResult(version=fleet.version, seconds=seconds, bytes=manifest.total_bytes,
+            land(pool, manifest.version, seconds, manifest.total_bytes * len(installed),
+                 kept=KeptPush(manifest_bytes, owned))
+            return RefitResult(version=manifest.version, seconds=seconds, bytes=manifest.total_bytes,
                                engines=len(installed),
                                pause_seconds_max=max((r.pause_s for r in reports), default=None),
                                install_seconds_max=max((r.install_s for r in reports), default=None),
@@ -105,10 +104,10 @@ class ObjectStoreFanout:
     async def reinstall(self, eid: str) -> bool:
         """Install the kept push on ``eid`` (``reset=True``: a restarted engine, whatever version it holds);
         False if the pool keeps none any more (a collective push landed meanwhile)."""
-        async with self.fleet.refit_lock:
+        async with self.pool.refit_lock:
             # Read again under the lock: a push may have landed meanwhile. A collective one clears the kept
             # push (reading it unchecked raised TypeError and marked a healthy engine down).
-            kept = self.fleet.kept
+            kept = self.pool.kept
             if kept is None:
                 return False
             await self._install(eid, kept.manifest_bytes, kept.refs, reset=True)
@@ -118,14 +117,14 @@ class ObjectStoreFanout:
                        timeout_s: float | None = None) -> GroupInstall | None:
         """Install on ``eid``; returns how it went (its pause and phases, counted in the pool's metrics), or
         None if the engine did not say in time (the install stands)."""
-        timeout_s = timeout_s or self.fleet.recipe.policy.refit_timeout_s
-        handle = self.fleet.handles[eid]
+        timeout_s = timeout_s or self.refit_timeout_s
+        handle = self.pool.handles[eid]
         version = await asyncio.wait_for(handle.install.remote(manifest_bytes, refs, reset), timeout_s)
-        self.fleet.table.set_version(eid, version)
+        self.pool.installed(eid, version)
         try:
             report = GroupInstall.from_stats(version, await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - the install stands; only its report is missing
             log.warning("engine %s installed v%d but did not report how: %s", eid, version, exc)
             return None
-        record_install_metrics(self.fleet, report, held=False)
+        record_install_metrics(self.pool.metrics, report, held=False)
         return report

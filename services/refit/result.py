@@ -1,28 +1,25 @@
 """What a weight push returns, and how a failed one is named.
 
-:class:`RefitResult` is what the pool answers a learner's push with (both
-transports); :class:`GroupInstall` what one engine answers an install
-with, and :func:`fold_installs` how the pool folds those answers into its
-version, table and metrics. A push that fails raises :class:`RefitError`; its reason
-(``timeout``, ``rejected``, ``failed``: the ``inflight_refit_failures`` label)
-comes from the exception *types* of the engines' causes (:func:`failure_reason`),
-looked up inside Ray's ``RayTaskError``.
+:class:`RefitResult` is what the pool answers a learner's push with (every
+transport); :class:`GroupInstall` what one engine answers an install with
+(:func:`services.refit.port.fold_installs` folds those answers into the pool's
+version, table and metrics). A push that fails raises :class:`RefitError`; its
+reason (``timeout``, ``rejected``, ``failed``: the ``inflight_refit_failures``
+label) comes from the exception *types* of the engines' causes
+(:func:`failure_reason`), looked up inside Ray's ``RayTaskError``.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ray.exceptions import RayActorError, RayTaskError
 
 from protocol import ProtocolError
-from rollout.install import PauseBreakdown
+from rollout.install.installer import PauseBreakdown
+from rollout.install.weight_receiver import WeightUpdateError
 from rollout.liveness import EngineDead
-from rollout.weight_receiver import WeightUpdateError
-
-if TYPE_CHECKING:
-    from services.pool.fleet import Fleet
 
 FailureReason = Literal["timeout", "rejected", "failed"]
 
@@ -55,12 +52,12 @@ class RefitResult:
     transport: str = ""
     """How it went: ``object_store``, ``collective`` or ``cuda_ipc``."""
     phases: PauseBreakdown | None = None
-    """Each phase's longest time over the engines (``rollout.install.PauseBreakdown``)."""
+    """Each phase's longest time over the engines (``rollout.install.installer.PauseBreakdown``)."""
 
 
 @dataclass(frozen=True)
 class GroupInstall:
-    """One engine's install of a collective push (see ``rollout.install.InstallStats``)."""
+    """One engine's install of a collective push (see ``rollout.install.installer.InstallStats``)."""
 
     version: int
     bytes: int
@@ -87,51 +84,6 @@ def slowest(phases: list[PauseBreakdown]) -> PauseBreakdown | None:
         return None
     return PauseBreakdown(**{f.name: max(getattr(p, f.name) for p in phases)
                              for f in dataclasses.fields(PauseBreakdown)})
-
-
-def engine_failures(fleet: Fleet, eids: list[str], results: list) -> dict[str, BaseException]:
-    """The engines of a call to several that failed; those whose process died are marked down (the watcher
-    brings them back, and the next push leaves them out until then)."""
-    failed = {e: r for e, r in zip(eids, results, strict=True) if isinstance(r, BaseException)}
-    for eid, exc in failed.items():
-        if engine_gone(exc):
-            fleet.mark_down(eid, exc)
-    return failed
-
-
-def fold_installs(fleet: Fleet, eids: list[str], results: list[GroupInstall], seconds: float,
-                  transport: str) -> RefitResult:
-    """Every engine of ``eids`` installed its push (``results``, in order): advance each engine and the pool
-    (which keeps no push: an engine that restarts waits for the learner's next one) and count it."""
-    for eid, res in zip(eids, results, strict=True):
-        fleet.table.set_version(eid, res.version)
-    version = results[0].version
-    fleet.version, fleet.kept = version, None
-    m = fleet.metrics
-    m.policy_version.set(version)
-    m.refit_seconds.observe(seconds)
-    m.refit_bytes.inc(sum(r.bytes for r in results))
-    for r in results:
-        record_install_metrics(fleet, r)
-    return RefitResult(version=version, seconds=seconds, bytes=max(r.bytes for r in results), engines=len(eids),
-                       pause_seconds_max=max(r.pause_s for r in results),
-                       install_seconds_max=max(r.install_s for r in results),
-                       install_paths=tuple(sorted({r.install_path for r in results})), transport=transport,
-                       phases=slowest([r.phases for r in results if r.phases is not None]))
-
-
-def record_install_metrics(fleet: Fleet, install: GroupInstall, held: bool = True) -> None:
-    """One engine's install in the pool's metrics: an incomplete drain and its phases; for a push the workers
-    held (``held``: weight group, CUDA IPC) also its pause and install path."""
-    m = fleet.metrics
-    if held:
-        m.refit_pause_seconds.observe(install.pause_s)
-        m.weight_installs.labels(path=install.install_path).inc()
-    if not install.drain_complete:
-        m.version_drain_incomplete.inc()
-    if install.phases is not None:
-        for f in dataclasses.fields(PauseBreakdown):
-            m.refit_phase_seconds.labels(phase=f.name.removesuffix("_s")).set(getattr(install.phases, f.name))
 
 
 def remote_cause(exc: BaseException) -> BaseException:

@@ -57,13 +57,49 @@ def test_the_pool_and_job_wings_import_nothing_from_each_other(wing):
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-def test_the_weight_transports_import_neither_wing_at_run_time():
-    """services/refit/ holds both ends of each transport; the job loads it, so it may name the pool's types only
-    for the type checker (under ``TYPE_CHECKING``)."""
-    for f in sorted((ROOT / "services" / "refit").rglob("*.py")):
-        tree = ast.parse(f.read_text(), filename=str(f))
-        for node in tree.body:  # module-level imports (those under ``if TYPE_CHECKING:`` are not at this level)
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                bad = [m for m in mods if m.split(".")[:2] in (["services", "pool"], ["services", "job"])]
-                assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+def every_import(source: str, package: str) -> set[str]:
+    """Every module ``source`` (a module of ``package``) imports anywhere in its body: at module level, under
+    ``if TYPE_CHECKING:``, inside functions; relative imports resolved; ``importlib.import_module("...")`` and
+    ``__import__("...")`` of a literal name too (``from a import b`` counts as ``a`` and ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def test_every_import_sees_imports_in_function_bodies_type_checking_blocks_and_relative_ones():
+    source = """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from services.pool.fleet import Fleet
+def push():
+    from ..job import learner_job
+    import importlib
+    importlib.import_module("services.pool.watcher")
+"""
+    assert {"services.pool.fleet.Fleet", "services.job.learner_job", "services.pool.watcher"} <= every_import(
+        source, "services.refit")
+
+
+def test_the_weight_transports_import_neither_wing_anywhere():
+    """services/refit/ holds both ends of each transport and the port the pool implements
+    (``services.refit.port.PoolPort``): no module of it imports the pool or the job wing, not at module level,
+    not under ``TYPE_CHECKING``, not inside a function."""
+    files = sorted((ROOT / "services" / "refit").rglob("*.py"))
+    assert files, "services/refit/ is missing"
+    for f in files:
+        package = ".".join(f.relative_to(ROOT).parts[:-1])
+        bad = {m for m in every_import(f.read_text(), package)
+               if m.split(".")[:2] in (["services", "pool"], ["services", "job"])}
+        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"

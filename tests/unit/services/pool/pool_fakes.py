@@ -62,6 +62,7 @@ class Pool:
 
 def pool_of(engines: dict, period_s: float = 0.01, timeout_s: float = 10.0) -> Pool:
     fleet = fleet_of(engines)
-    dispatcher, fanout = Dispatcher(fleet), ObjectStoreFanout(fleet)
-    return Pool(fleet, dispatcher, fanout, WeightGroup(fleet),
+    refit_timeout_s = fleet.recipe.policy.refit_timeout_s
+    dispatcher, fanout = Dispatcher(fleet), ObjectStoreFanout(fleet, refit_timeout_s)
+    return Pool(fleet, dispatcher, fanout, WeightGroup(fleet, refit_timeout_s),
                 HealthWatcher(fleet, dispatcher, fanout.reinstall, period_s=period_s, timeout_s=timeout_s))

@@ -18,7 +18,7 @@ from handle_fakes import ActorMethod
 from pool_fakes import FakeEngine, pool_of
 from services.pool.dispatch import Batch
 from services.pool.engine_actor import EngineActor, EngineSpec
-from services.pool.fleet import KeptPush
+from services.refit.port import KeptPush
 
 
 class FakeRolloutEngine:

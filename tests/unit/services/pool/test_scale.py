@@ -17,8 +17,9 @@ from pool_fakes import pool_of
 
 from services.config import load_recipe
 from services.pool import fleet as fleet_module
-from services.pool.fleet import KeptPush, ScaleError, ScaleRequestError
+from services.pool.fleet import ScaleError, ScaleRequestError
 from services.pool.startup import engine_name
+from services.refit.port import KeptPush
 
 POOL = "inflight-pool"  # the default recipe's rollout_pool.name
 

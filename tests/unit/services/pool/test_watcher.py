@@ -10,8 +10,8 @@ from handle_fakes import ActorMethod
 from pool_fakes import FakeEngine, pool_of
 
 from services.pool.engine_table import EngineState
-from services.pool.fleet import KeptPush
 from services.pool.watcher import HEALTH_TIMEOUTS_TO_DOWN
+from services.refit.port import KeptPush
 
 
 def test_a_restarting_engine_does_not_hold_up_the_checks_of_the_others():

@@ -7,14 +7,14 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from rollout.weight_receiver import WeightUpdateError
+from rollout.install.weight_receiver import WeightUpdateError
 from services.config import load_recipe
-from services.pool.fleet import Fleet, KeptPush
-from services.pool.metrics import PoolMetrics
 from services.refit import CollectiveRefit, RefitError, RefitResult
 from services.refit.collective import GroupPlan, WeightGroup
+from services.refit.port import KeptPush
 from services.refit.result import GroupInstall
 from handle_fakes import ActorMethod, ServeMethod
+from port_fakes import FakePool
 
 
 class _GroupPool:
@@ -98,27 +98,27 @@ class _Member:
 
 def test_the_pools_weight_group_plans_ranks_tracks_incarnations_and_installs_atomically():
     async def scenario():
-        fleet = Fleet(load_recipe(None, []), "/no/model", PoolMetrics())
-        fleet.handles = {"e0": _Member(2), "e1": _Member(1)}
-        fleet.mark_up("e0", 0, 1, "1.1")
-        fleet.mark_up("e1", 0, 2, "2.1")
-        fleet.kept = KeptPush(b"m", [])
-        group = WeightGroup(fleet)
+        members = {"e0": _Member(2), "e1": _Member(1)}
+        pool = FakePool(members)
+        pool.kept = KeptPush(b"m", [])
+        group = WeightGroup(pool, refit_timeout_s=1.0)
         with pytest.raises(RefitError, match="no weight group"):
             await group.install()
         plan = await group.plan(1.0)
         assert plan == GroupPlan({"e0": 1, "e1": 3}, 4)                 # rank 0 is the learner
         await group.join("h", 1, plan, 1.0)
-        assert group.current() and fleet.handles["e1"].joined == [(3, 4)]
+        assert group.current() and members["e1"].joined == [(3, 4)]
         out = await group.install(reset=True)
         assert out == RefitResult(version=5, seconds=out.seconds, bytes=100, engines=2, pause_seconds_max=0.02,
                                   install_seconds_max=0.01, install_paths=("reload",), transport="collective")
-        assert fleet.version == 5 and fleet.kept is None and fleet.table.serving(5) == ["e0", "e1"]
-        fleet.handles["e1"].reject = True
+        assert pool.version == 5 and pool.kept is None and pool.versions == {"e0": 5, "e1": 5}
+        assert pool.metrics.refit_bytes._value.get() == 200 and pool.metrics.weight_installs.labels(
+            path="reload")._value.get() == 2
+        members["e1"].reject = True
         with pytest.raises(RefitError, match="rejected"):
             await group.install()
-        assert fleet.version == 5 and group.members is None and not group.current()   # the group is dropped
-        fleet.mark_up("e1", 0, 3, "3.1")                               # restarted: waits for the learner
+        assert pool.version == 5 and group.members is None and not group.current()   # the group is dropped
+        pool.restarted("e1", members["e1"], "1.2")                      # restarted: waits for the learner
         assert group.wanting_weights() == ["e1"]
 
     asyncio.run(scenario())

@@ -9,15 +9,15 @@ import logging
 import pytest
 from ray.exceptions import RayTaskError
 
-from rollout.install import PauseBreakdown
-from rollout.weight_receiver import WeightUpdateError
+from rollout.install.installer import PauseBreakdown
+from rollout.install.weight_receiver import WeightUpdateError
 from services.config import load_recipe
-from services.pool.fleet import Fleet, KeptPush
-from services.pool.metrics import PoolMetrics
 from services.refit import CudaIpcRefit, RefitError, RefitResult, make_refit
 from services.refit.cuda_ipc import IpcFanout, IpcPlan
+from services.refit.port import KeptPush
 from services.refit.result import GroupInstall
 from handle_fakes import ActorMethod, ServeMethod
+from port_fakes import FakePool
 
 
 def test_a_plan_names_why_a_cuda_ipc_push_cannot_reach_every_engine():
@@ -49,35 +49,26 @@ class _Engine:
         self.gpu_uuids, self.install_ipc = ActorMethod(gpu_uuids), ActorMethod(install_ipc)
 
 
-def _fleet(engines: dict) -> Fleet:
-    fleet = Fleet(load_recipe(None, []), "/no/model", PoolMetrics())
-    fleet.handles = dict(engines)
-    for i, eid in enumerate(engines):
-        fleet.mark_up(eid, 0, i, f"{i}.1")
-    return fleet
-
-
 def test_the_pool_installs_on_the_engine_of_the_learners_gpu_and_keeps_no_copy():
     async def scenario():
         engine = _Engine(("GPU-a",))
-        fleet = _fleet({"e0": engine})
-        fleet.kept = KeptPush(b"m", [])
-        ipc = IpcFanout(fleet)
+        pool = FakePool({"e0": engine})
+        pool.kept = KeptPush(b"m", [])
+        ipc = IpcFanout(pool, refit_timeout_s=5.0)
         assert await ipc.plan("GPU-a") == IpcPlan("GPU-a", ("e0",), ())
         out = await ipc.install(b"manifest", [["share"]], "GPU-a", reset=True)
         assert out == RefitResult(version=4, seconds=out.seconds, bytes=100, engines=1, pause_seconds_max=0.004,
                                   install_seconds_max=0.001, install_paths=("copy",), transport="cuda_ipc",
                                   phases=PauseBreakdown(pause_s=0.002, install_s=0.001))
         assert engine.installs == [(b"manifest", [["share"]], True)] and engine.asked == 1   # asked once
-        assert fleet.version == 4 and fleet.kept is None and fleet.table.serving(4) == ["e0"]
-        assert fleet.metrics.version_drain_incomplete._value.get() == 1
-        assert fleet.metrics.weight_installs.labels(path="copy")._value.get() == 1
+        assert pool.version == 4 and pool.kept is None and pool.versions == {"e0": 4}
+        assert pool.metrics.version_drain_incomplete._value.get() == 1
+        assert pool.metrics.weight_installs.labels(path="copy")._value.get() == 1
         engine.reject = True
         with pytest.raises(RefitError, match="weight push v\\? rejected.*differ from the learner's checksums"):
             await ipc.install(b"manifest", [["share"]], "GPU-a")
-        assert fleet.version == 4
-        fleet.handles["e1"] = _Engine(("GPU-b",))
-        fleet.mark_up("e1", 0, 9, "9.1")
+        assert pool.version == 4 and pool.metrics.refit_failures.labels(reason="rejected")._value.get() == 1
+        pool.restarted("e1", _Engine(("GPU-b",)), "9.1")
         with pytest.raises(RefitError, match="cuda_ipc: engines \\['e1'\\] do not run on the learner's GPU"):
             await ipc.install(b"manifest", [["share"]], "GPU-a")   # an engine came up elsewhere meanwhile
     asyncio.run(scenario())

@@ -10,27 +10,18 @@ import pytest
 
 from protocol import WeightManifest, decode, encode
 from protocol.weights import pack_buckets
-from rollout.install import PauseBreakdown
-from rollout.weight_receiver import WeightUpdateError
+from rollout.install.installer import PauseBreakdown
+from rollout.install.weight_receiver import WeightUpdateError
 from services.config import load_recipe
-from services.pool.fleet import Fleet
-from services.pool.metrics import PoolMetrics
 from services.refit import RefitError, RefitResult
 from services.refit.object_store import ObjectStoreFanout
 from handle_fakes import ActorMethod
-
-
-def fleet_of(engines: dict) -> Fleet:
-    fleet = Fleet(load_recipe(None, []), "/no/model", PoolMetrics())
-    fleet.handles = dict(engines)
-    for eid in engines:
-        fleet.mark_up(eid, 0, 1, "1.0")
-    return fleet
+from port_fakes import FakePool
 
 
 class FakeInstaller:
     """``install`` like an EngineActor handle: installs a version once, rejects it as not newer after that
-    (like rollout.weight_receiver), and fails its first ``fail_first`` calls."""
+    (like rollout.install.weight_receiver), and fails its first ``fail_first`` calls."""
 
     def __init__(self, fail_first: int = 0):
         self.version, self.calls, self.fail_first = 0, 0, fail_first
@@ -67,8 +58,8 @@ def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engin
 
     async def scenario():
         good, flaky = FakeInstaller(), FakeInstaller(fail_first=1)
-        fleet = fleet_of({"e0": good, "e1": flaky})
-        fanout = ObjectStoreFanout(fleet)
+        pool = FakePool({"e0": good, "e1": flaky})
+        fanout = ObjectStoreFanout(pool, refit_timeout_s=10.0)
 
         def refs():
             async def bucket(b):
@@ -77,19 +68,20 @@ def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engin
 
         with pytest.raises(RefitError, match="rejected"):
             await fanout.push(encode(manifest), refs())
-        assert fleet.version == 0 and fleet.kept is None and good.version == 1 and flaky.version == 0
-        assert fleet.metrics.refit_failures.labels(reason="rejected")._value.get() == 1
+        assert pool.version == 0 and pool.kept is None and good.version == 1 and flaky.version == 0
+        assert pool.metrics.refit_failures.labels(reason="rejected")._value.get() == 1
         out = await fanout.push(encode(manifest), refs())
         assert out == RefitResult(version=1, seconds=out.seconds, bytes=manifest.total_bytes, engines=2,
                                   pause_seconds_max=0.02, install_seconds_max=0.004, transport="object_store",
                                   phases=PauseBreakdown(**dict.fromkeys(out.phases.__dict__, 0.002)))
-        assert fleet.version == 1 and flaky.version == 1 and fleet.kept is not None
+        assert pool.version == 1 and flaky.version == 1 and pool.kept is not None
+        assert pool.versions == {"e0": 1, "e1": 1} and pool.metrics.refit_bytes._value.get() == 2 * manifest.total_bytes
         assert good.calls == 1                       # kept what it had installed; not asked again
-        assert fleet.metrics.version_drain_incomplete._value.get() == 0
+        assert pool.metrics.version_drain_incomplete._value.get() == 0
         assert await fanout.reinstall("e1") and flaky.calls == 3   # the kept push, reset, for a restarted engine
         # its drain ran out (this fake's third install): counted, and the last phases shown by phase
-        assert fleet.metrics.version_drain_incomplete._value.get() == 1
-        assert fleet.metrics.refit_phase_seconds.labels(phase="paused")._value.get() == 0.003
+        assert pool.metrics.version_drain_incomplete._value.get() == 1
+        assert pool.metrics.refit_phase_seconds.labels(phase="paused")._value.get() == 0.003
 
     asyncio.run(scenario())
 
