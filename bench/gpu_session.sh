@@ -29,8 +29,14 @@
 #   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
+# Nemotron-H on one H200 (issue 34; models from `bench/nemotron_h_gpu.py build` in $NH_DIR, default /tmp/models):
+#   bash bench/gpu_session.sh N   # the GPU test of pushes into a running NemotronH engine vs a fresh engine (small
+#                                 # dense and MoE hybrids; four engine starts of ~90-120 s each on a fresh host)
+#   bash bench/gpu_session.sh O   # the same check on the 1.7B Nano-3-shaped model (bench/nemotron_h_gpu.py install)
+#   bash bench/gpu_session.sh P   # the 1.7B Nemotron-H async on one GPU (recipes/gpu-1xh200-async.yaml), 5 steps;
+#                                 # needs Ray and Megatron-Core in /tmp/site (WITH_RAY_MCORE=1, or their wheels)
 set -u
-PHASE=${1:?phase A to M}
+PHASE=${1:?phase A to P}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -62,6 +68,7 @@ moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
 }
 dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
+NH_DIR=${NH_DIR:-/tmp/models}
 build() {  # build DIR ARCH SIZE: a random bf16 model, initialised on the GPU (minutes on the CPU for 0.6B+)
   [ -d "$1" ] || $PY -c "import sys, torch; from services.tiny_model import make_tiny_model
 with torch.device('cuda'): make_tiny_model(sys.argv[1], arch=sys.argv[2], size=sys.argv[3], dtype='bfloat16')" "$@"
@@ -72,7 +79,7 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
-case $PHASE in K) ;; M) build $dense qwen2 0.6b ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P) ;; M) build $dense qwen2 0.6b ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -190,6 +197,22 @@ M)
     $PY bench/step_breakdown.py --steps 5 --out "$OUT/step_breakdown_h200_one_gpu.json" \
       --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
   fi
+  ;;
+N)
+  step nemotron_h_gpu_test 560 $PY -m pytest -m gpu -q -s -p no:cacheprovider tests/integration/rollout/test_nemotron_h_gpu.py
+  grep -h "^NEMOTRON_H_GPU" "$OUT/nemotron_h_gpu_test.log" | cut -c1-1500
+  ;;
+O)
+  for seed in 0 1; do name=nemotron-h-$([ $seed = 0 ] && echo a || echo b)
+    [ -d "$NH_DIR/$name" ] || $PY bench/nemotron_h_gpu.py build "$NH_DIR/$name" --seed $seed > /dev/null; done
+  step nemotron_h_install 400 $PY bench/nemotron_h_gpu.py install "$NH_DIR/nemotron-h-a" "$NH_DIR/nemotron-h-b" \
+    --out "$OUT/nemotron_h_install_h200.json"
+  ;;
+P)
+  step nemotron_h_async_one_gpu 520 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml --steps 5 \
+    --run-dir "$OUT/nemotron_h_async" policy.model_name="$NH_DIR/nemotron-h-a" $SHAPE \
+    policy.generation.vllm_cfg.moe_backend=triton logger.tensorboard_enabled=false checkpointing.enabled=false
+  cp "$OUT/nemotron_h_async/metrics.jsonl" "$OUT/nemotron_h_async_metrics.jsonl" 2>/dev/null
   ;;
 esac
 
