@@ -6,7 +6,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run lint test test-all bench clean
+.PHONY: setup run lint test test-unit test-integration test-all bench clean
 PACKAGES := protocol rollout learner services
 setup:
 	bash scripts/setup.sh
@@ -19,8 +19,19 @@ lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES)
 	$(VENV)/bin/pyright -p pyproject.toml $(PACKAGES)
 
-test: setup lint
-	$(PY) -m pytest -m "not gpu and not slow" --durations=30 tests
+# Two tiers (docs/testing.md): unit tests touch no Ray, vLLM engine or process group (tests/unit_guard.py) and run
+# in parallel; integration tests share one stack per session. Each tier writes its modules' seconds to
+# test-durations/ and fails when a module exceeds its budget in tests/budgets.toml.
+BUDGETS := --budgets tests/budgets.toml
+test: setup lint test-unit test-integration
+
+test-unit: setup
+	$(PY) -m pytest -n auto --dist loadfile -m "not gpu and not slow" --durations=15 \
+		--durations-out test-durations/unit.json $(BUDGETS) tests/unit
+
+test-integration: setup
+	$(PY) -m pytest -m "not gpu and not slow" --durations=30 \
+		--durations-out test-durations/integration.json $(BUDGETS) tests/integration
 
 test-all: setup
 	$(PY) -m pytest tests
