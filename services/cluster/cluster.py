@@ -21,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services import cluster_auth, cluster_procs, startup_progress
-from services.cluster_auth import ClusterConnectError
+from services.cluster import cluster_auth, cluster_procs
+from services.cluster.cluster_auth import ClusterConnectError
+from services.operator import startup_progress
 
 log = logging.getLogger("inflight.cluster")
 
