@@ -324,7 +324,7 @@ def main() -> None:
     args = ap.parse_args()
     args.buckets = [int(b) for b in args.buckets.split(",")]
     from services import tiny_model
-    from services.cluster.cluster import free_port
+    from services.cluster import free_port
 
     sizes = dict(tiny_model.SIZES, **{"1.5b": SIZE_1_5B})
     tiny_model.SIZES = sizes  # the bench's larger size, without changing the module's table for others

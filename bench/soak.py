@@ -72,7 +72,7 @@ def main() -> None:
 
     from protocol import TrajectoryGroup, decode, encode
     from services import pool as pool_api
-    from services.cluster import ray_runtime
+    from services import ray_runtime
     from services.app import deploy_pool
     from services.channel import ChannelTimeout, TrajectoryChannel
     from services.config import load_recipe

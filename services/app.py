@@ -12,12 +12,11 @@ import secrets
 import sys
 from pathlib import Path
 
+from services import console, ray_runtime, startup_progress
 from services import pool as pool_api
-from services.cluster import ray_runtime
 from services.config import Recipe
 from services.job.learner_actor import LearnerGroup
 from services.model_variant import resolve_policy_model
-from services.operator import console, startup_progress
 
 
 def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:

@@ -28,7 +28,7 @@ all problems at once, one line each, exit 2, before anything starts.
 
 ``run``, ``pool deploy`` and ``learner attach`` print Inflight's own lines; the Ray, Serve and vLLM logs go to
 RUN_DIR/logs (``pool status|shutdown``: INFLIGHT_HOME/logs; ``--verbose`` prints them too):
-:mod:`services.operator.console`.
+:mod:`services.console`.
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from services.cluster.cluster_auth import ClusterConnectError
+from services import console
+from services.cluster_auth import ClusterConnectError
 from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
 from services.local_engine import LocalEngineError
-from services.operator import console
 from services.pool.startup import PoolStartError
 from services.recipe_checks import check_recipe
 
@@ -106,8 +106,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_deploy(args: argparse.Namespace) -> int:
+    from services import cluster, ray_runtime
     from services.app import deploy_pool
-    from services.cluster import cluster, ray_runtime
 
     recipe = _recipe(args, [f"rollout_pool.name={args.name}"] if args.name else [])
     check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
@@ -121,8 +121,7 @@ def _cmd_pool_deploy(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_status(args: argparse.Namespace) -> int:
-    from services import pool
-    from services.cluster import cluster, ray_runtime
+    from services import cluster, pool, ray_runtime
 
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
@@ -139,8 +138,7 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
 def _cmd_pool_scale(args: argparse.Namespace) -> int:
     """Scale a running pool; a refused request or a bad value is a user error (2), engines that did not boot
     a failure (1)."""
-    from services import pool
-    from services.cluster import cluster, ray_runtime
+    from services import cluster, pool, ray_runtime
     from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, ScaleError, ScaleRequestError
     from services.pool.startup import BOOT_TIMEOUT_S
     from services.refit.result import remote_cause
@@ -170,8 +168,7 @@ def _cmd_pool_scale(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
-    from services import pool
-    from services.cluster import cluster, ray_runtime
+    from services import cluster, pool, ray_runtime
 
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
@@ -186,8 +183,8 @@ def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
 
 
 def _cmd_learner_attach(args: argparse.Namespace) -> int:
+    from services import cluster, ray_runtime
     from services.app import run_learner
-    from services.cluster import cluster, ray_runtime
 
     recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
     check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once

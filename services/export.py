@@ -150,7 +150,7 @@ def _in_process(spec: LearnerSpec, ckpt: Path, out: Path) -> None:
 def _spawn_ranks(world: int, spec: LearnerSpec, ckpt: str, out: str) -> None:
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
-    from services.cluster.cluster import free_port
+    from services.cluster import free_port
 
     ctx = start_processes(export_rank, args=(world, free_port(), spec, ckpt, out), nprocs=world, join=False,
                           start_method="spawn")

@@ -165,7 +165,7 @@ class LearnerJobs:
         process's token source (``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN_PATH``, set by ``cluster_auth``)."""
         from ray.job_submission import JobSubmissionClient
 
-        from services.cluster import cluster, cluster_auth
+        from services import cluster, cluster_auth
 
         address = cluster.known_address()
         if not address:
@@ -208,7 +208,7 @@ class LearnerJobs:
     def require_pool(self, pool: str) -> None:
         """An error unless a rollout pool named ``pool`` runs on the cluster (asked through Ray Serve)."""
         from services import pool as pool_api
-        from services.cluster import ray_runtime
+        from services import ray_runtime
 
         ray_runtime.connect(self.address)
         try:

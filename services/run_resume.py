@@ -76,8 +76,8 @@ def start_or_resume(recipe: Recipe, run_dir: Path, fresh: bool) -> RunStart:
 def run(recipe: Recipe, run_dir: Path, fresh: bool = False, verbose: bool = False) -> int:
     """``inflight run``: decide how to start (:func:`start_or_resume`), say it in one line, run the whole loop
     on this machine (:func:`services.app.run_embedded`); the exit code."""
+    from services import console
     from services.app import run_embedded
-    from services.operator import console
 
     try:
         start = start_or_resume(recipe, run_dir, fresh)

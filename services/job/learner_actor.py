@@ -78,7 +78,7 @@ class LearnerActor:
         """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
         import ray
 
-        from services.cluster.cluster import free_port
+        from services.cluster import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -123,7 +123,7 @@ class LearnerActor:
         """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
         import ray
 
-        from services.cluster.cluster import free_port
+        from services.cluster import free_port
 
         return (ray.util.get_node_ip_address(), free_port()) if self.rank == 0 else None
 

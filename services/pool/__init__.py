@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
-from services.cluster.cluster import free_port
+from services.cluster import free_port
 from services.pool.deployment import RolloutPool
 
 if TYPE_CHECKING:

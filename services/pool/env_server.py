@@ -191,7 +191,7 @@ def deploy_environment(name: str, environment_path: str, kwargs: dict[str, Any] 
     import httpx
 
     from rollout.env_registry import load_environment_class
-    from services.cluster.cluster import free_port
+    from services.cluster import free_port
     from services.pool.startup import reason
 
     if not (isinstance(name, str) and NAME_PATTERN.match(name)):

@@ -15,7 +15,7 @@ import torch
 from protocol.weight_transfer import WeightTransferGroup
 from rollout.tasks import make_prompts
 from rollout.weight_receiver import WeightUpdateError
-from services.cluster.cluster import free_port
+from services.cluster import free_port
 
 from model_weights import model_tensors
 from rollout_engine_helpers import GROUP_SIZE

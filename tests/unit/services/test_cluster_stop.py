@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from services.cluster import cluster
+from services import cluster
 
 CHILD = "import time; time.sleep(600)"
 HEAD = ("import subprocess, sys, time; "

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from services.operator import console
+from services import console
 
 FORWARDED = [
     "[inflight] WARNING inflight.pool: pool inflight-pool: engine inflight-pool-engine-0 died with 4 prompts",

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services import app
-from services.operator import console
+from services import app, console
 from services.run_resume import PREVIOUS, RunDirError, RunStart, run, start_or_resume
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.operator import console, startup_progress
+from services import console, startup_progress
 
 STAMP = r"\[\s*\d+\.\d s\]"
 

@@ -8,8 +8,8 @@ Ray cluster may be running on the machine), no dashboard and a small object
 store (measured: ~500 MiB instead of ~750 MiB). Everything Inflight creates
 lives in the ``inflight`` namespace so that named actors can be found again.
 
-Every actor of the job runs :func:`services.operator.console.setup_worker`, and with a console set up
-(:func:`services.operator.console.setup`) the driver prints the actors' lines it keeps and RUN_DIR/logs/ray
+Every actor of the job runs :func:`services.console.setup_worker`, and with a console set up
+(:func:`services.console.setup`) the driver prints the actors' lines it keeps and RUN_DIR/logs/ray
 shows the session's logs: linked while the cluster runs, copied when a private cluster stops (its
 temporary directory is then removed). Those of a cluster on another machine stay on its nodes.
 """
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.operator import console
+from services import console
 
 NAMESPACE = "inflight"
 OBJECT_STORE_BYTES = int(os.environ.get("INFLIGHT_OBJECT_STORE_MB", "512")) * 1024 * 1024
@@ -42,7 +42,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: s
     if address != "local":
         address = address or os.environ.get("RAY_ADDRESS") or None
     if address and address != "local":
-        from services.cluster import cluster, cluster_auth
+        from services import cluster, cluster_auth
 
         token_path = cluster.token_for(address)
         if token_path is not None:
@@ -67,7 +67,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: s
 
 def _recorded_head_logs(address: str) -> Path | None:
     """The session logs of the head ``inflight pool deploy`` started on this machine, when ``address`` is it."""
-    from services.cluster import cluster
+    from services import cluster
 
     if cluster.token_for(address) is None:
         return None

@@ -32,7 +32,7 @@ INFLIGHT_LOGGERS = ("inflight", "services", "rollout", "learner", "protocol")
 """Inflight's loggers: ``inflight.*`` and the packages' ``__name__`` loggers."""
 MARK = "[inflight] "
 """Begins each line an actor writes for an Inflight record at WARNING or above; the quiet console keeps those."""
-WORKER_SETUP_HOOK = "services.operator.console.setup_worker"
+WORKER_SETUP_HOOK = "services.console.setup_worker"
 ROTATE_BYTES = 16 * 1024 * 1024
 """Size at which ``driver.log`` and (``RAY_ROTATION_MAX_BYTES`` unless set) Ray's per-process logs rotate."""
 ROTATE_BACKUPS = 4

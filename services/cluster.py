@@ -21,9 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.cluster import cluster_auth, cluster_procs
-from services.cluster.cluster_auth import ClusterConnectError
-from services.operator import startup_progress
+from services import cluster_auth, cluster_procs, startup_progress
+from services.cluster_auth import ClusterConnectError
 
 log = logging.getLogger("inflight.cluster")
 

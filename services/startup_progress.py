@@ -5,8 +5,8 @@ the minute before the progress bar is not silent.
 On a terminal the line of the running phase shows a spinner and its own seconds, and is finished with how long the
 phase took (``[  4.2 s] starting the rollout pool (1 engine; vLLM loads the model): 38.1 s``); elsewhere (a pipe, a
 log file) the line is printed once as the phase begins, with no control characters. Lines go to stderr, beside
-the console's other lines (:mod:`services.operator.console`), and only when the console is set up: a library use of
-these functions prints nothing.
+the console's other lines (:mod:`services.console`), and only when the console is set up: a library use of these
+functions prints nothing.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from services.operator import console
+from services import console
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 """Frames of the running phase's spinner (a terminal only)."""
@@ -66,7 +66,7 @@ class _Spinner:
 @contextmanager
 def phase(what: str, stream: TextIO | None = None) -> Iterator[None]:
     """One start-up phase: its line (``[  3.1 s] what``) as it begins; on a terminal a spinner until it ends, then
-    its duration (or ``failed after N s``). Nothing without a console (:func:`services.operator.console.active`)."""
+    its duration (or ``failed after N s``). Nothing without a console (:func:`services.console.active`)."""
     if console.active() is None:
         yield
         return
