@@ -9,7 +9,7 @@ pre-encoded groups and the driver receives them.
 
 Transports compared in one run:
 
-* ``channel``       -- ``services.channel.TrajectoryChannel`` as shipped: a
+* ``channel``       -- ``services.job.channel.TrajectoryChannel`` as shipped: a
   ``ray.util.queue.Queue`` actor holding object refs (``ray.put`` by the
   sender, the ref wrapped in a one-element list);
 * ``queue_value``   -- the same Queue, the bytes passed by value (they travel
@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protocol import Trajectory, TrajectoryGroup, decode, encode  # noqa: E402
-from services.channel import TrajectoryChannel  # noqa: E402
+from services.job.channel import TrajectoryChannel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "channel_cpu.json"
 MIB = 1 << 20

@@ -38,7 +38,7 @@ def write_rows(path: Path, n: int) -> None:
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("tiny://qwen2"))
 

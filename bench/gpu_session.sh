@@ -11,14 +11,14 @@
 #                                 # step breakdown of A again
 #   bash bench/gpu_session.sh D   # GPU 0: rollout throughput eager, then the MoE model through a colocated sync
 #                                 # loop; GPU 1: the MoE parity test, then rollout throughput with CUDA graphs
-#   bash bench/gpu_session.sh E   # the refit bench over NCCL (install paths of rollout.direct_load), then the
+#   bash bench/gpu_session.sh E   # the refit bench over NCCL (install paths of rollout.install.direct_load), then the
 #                                 # step breakdown of A (collective refit, direct load)
 #   bash bench/gpu_session.sh F   # the MoE parity test (GPU 0) beside the refit bench (both GPUs); then, if plain
 #                                 # load was proven for the dense model, the step breakdown of E again
 #   bash bench/gpu_session.sh G   # the step breakdown of E alone (a second sample)
 #   bash bench/gpu_session.sh H   # the MoE model: async on 2 GPUs with the collective refit, then colocated sync
 #                                 # on 2 GPUs with expert parallelism in the learner (EP=2) and two engines
-#   bash bench/gpu_session.sh I   # the refit bench with the copy plan (rollout.direct_load), then the step
+#   bash bench/gpu_session.sh I   # the refit bench with the copy plan (rollout.install.direct_load), then the step
 #                                 # breakdown of E again (copy plan, pause without vLLM's fixed 20 ms sleep)
 #   bash bench/gpu_session.sh J   # the dense 0.6B async loop alone, 4 steps (copy plan, pause_generation kept)
 # On one H200 (`nvidia-h200`, issue 21):
@@ -70,7 +70,7 @@ dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
 NH_DIR=${NH_DIR:-/tmp/models}
 build() {  # build DIR ARCH SIZE: a random bf16 model, initialised on the GPU (minutes on the CPU for 0.6B+)
-  [ -d "$1" ] || $PY -c "import sys, torch; from services.tiny_model import make_tiny_model
+  [ -d "$1" ] || $PY -c "import sys, torch; from services.models.tiny_model import make_tiny_model
 with torch.device('cuda'): make_tiny_model(sys.argv[1], arch=sys.argv[2], size=sys.argv[3], dtype='bfloat16')" "$@"
 }
 # Recipes need omegaconf, which the vLLM bundle lacks (phase K's async run failed on it): install the wheels

@@ -11,7 +11,7 @@ learner is built from the same random-init Qwen2 (bf16). Steps:
    before (vLLM's fixed 20 ms settle, prefix reset inside the pause) and as it is
    now, then twice through CUDA IPC (the engine core maps this process's buckets).
    For each: export -> installed, and the engine's timed breakdown
-   (``rollout.install.PauseBreakdown``: verify / stage / receive before the pause;
+   (``rollout.install.installer.PauseBreakdown``: verify / stage / receive before the pause;
    pause request, settle, drain, install, label, resume inside it; prefix reset
    after it). Every sample must finish, with versions in {old, new},
    non-decreasing, some samples split, and the front end drained in time;
@@ -35,14 +35,14 @@ import numpy as np
 INSTALLS = [("object_store", "before"), ("object_store", "after"), ("cuda_ipc", "after"), ("cuda_ipc", "after")]
 """(transport, pause order) of the in-flight updates, in order. ``before``: the pause as shipped before issue 21
 (``pause_generation``'s fixed 20 ms settle, prefix-cache reset inside the pause); ``after``: the default
-``rollout.install.PauseSettings`` (no settle, reset after the resume)."""
+``rollout.install.installer.PauseSettings`` (no settle, reset after the resume)."""
 
 
 async def inflight_update(engine, learner, requests, groups, args, transport: str, order: str) -> dict:
     """Train one step (a new version), then push it while ``requests`` x ``group_size`` samples run; returns
     the timings (export -> installed, the engine's breakdown) and the checks of the running samples."""
     from learner.ipc_export import IpcExporter
-    from rollout.install import PauseSettings
+    from rollout.install.installer import PauseSettings
 
     learner.train_step(groups)
     before = engine.version
@@ -101,9 +101,9 @@ def summary(out: dict) -> str:
 async def run(args) -> dict:
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
+    from rollout.rewards.registry import get_reward_fn
     from rollout.tasks import make_prompts
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     out: dict = {"checks": {}}
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen2", size=args.size,

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from services.tiny_model import ARCHS
+from services.models.tiny_model import ARCHS
 
 SHAPES = {  # Qwen3's published dense shapes: hidden, layers, heads, kv heads, intermediate, tied
     "qwen3-0.6b": (1024, 28, 16, 8, 3072, True), "qwen3-1.7b": (2048, 28, 16, 8, 6144, True),
@@ -243,7 +243,7 @@ def main() -> None:
 
     import torch
 
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     where = Path(tempfile.mkdtemp())
     model_dir = (make_shaped_model(where / args.shape, args.shape) if args.shape else

@@ -37,7 +37,7 @@ def build(out: Path, shape: str, seed: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, NemotronHConfig
 
-    from services.tiny_model import build_tokenizer
+    from services.models.tiny_model import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
@@ -77,7 +77,7 @@ class Served:
     def __init__(self, model_dir: str, args):
         from rollout.config import GenerationConfig, VllmConfig
         from rollout.engine import RolloutEngine
-        from rollout.rewards import get_reward_fn
+        from rollout.rewards.registry import get_reward_fn
 
         generation = GenerationConfig(max_new_tokens=args.max_new_tokens, request_timeout_s=600.0, max_retries=0,
                                       vllm_cfg=VllmConfig(enforce_eager=args.eager, precision=args.precision, seed=0,

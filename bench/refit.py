@@ -12,7 +12,7 @@ hands GPU tensors to the worker without pickling). Measured:
     bucket sizes, with and without double buffering, end to end (send start
     on GPU 0 -> every bucket received and checksum-verified on GPU 1; one
     system-wide monotonic clock);
-(c) the install, on each path of :mod:`rollout.direct_load`: ``checked``
+(c) the install, on each path of :mod:`rollout.install.direct_load`: ``checked``
     (the first push: plain ``load_weights`` and ``reload_weights`` both run and
     are compared, then the copy plan is found with markers and compared with
     plain load), ``copy`` (the proven copy plan: one foreach copy from the
@@ -215,11 +215,11 @@ def one_gpu(args, model_dir: str, results) -> None:
 
 
 class _Installs:
-    """Part (c) on the engine side: installs received pushes on a given path of :mod:`rollout.direct_load`,
+    """Part (c) on the engine side: installs received pushes on a given path of :mod:`rollout.install.direct_load`,
     in process (GPU tensors, no pickling), times them and checks the greedy output after each."""
 
     def __init__(self, args, llm, generate, base: list[int]):
-        from rollout.direct_load import DirectLoad
+        from rollout.install.direct_load import DirectLoad
         self.args, self.llm, self.generate, self.base = args, llm, generate, base
         self.direct = DirectLoad()
         self.times: dict[str, list[dict]] = {}
@@ -232,7 +232,7 @@ class _Installs:
         import torch
 
         from protocol.weight_transfer import named_views
-        from rollout.direct_load import worker_kv_caches
+        from rollout.install.direct_load import worker_kv_caches
         views = lambda: iter(named_views(manifest, buckets))  # noqa: E731
         direct = self.direct
 
@@ -312,7 +312,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="1.5b", help="1.5b (Qwen2.5-1.5B dimensions) or a services.tiny_model size")
+    ap.add_argument("--size", default="1.5b", help="1.5b (Qwen2.5-1.5B dimensions) or a services.models.tiny_model size")
     ap.add_argument("--buckets", default="64,256,1024", help="bucket sizes in MiB")
     ap.add_argument("--install-bucket-mib", type=int, default=256)
     ap.add_argument("--gpus", type=int, default=2, choices=[1, 2],
@@ -323,8 +323,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "refit_h200.json"))
     args = ap.parse_args()
     args.buckets = [int(b) for b in args.buckets.split(",")]
-    from services import tiny_model
-    from services.cluster import free_port
+    from services.models import tiny_model
+    from services.cluster.head import free_port
 
     sizes = dict(tiny_model.SIZES, **{"1.5b": SIZE_1_5B})
     tiny_model.SIZES = sizes  # the bench's larger size, without changing the module's table for others

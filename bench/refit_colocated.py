@@ -6,7 +6,7 @@ each push packs them into buckets with their checksums and exports CUDA IPC
 shares of them (``learner.ipc_export``). The engine side (:func:`colocated`) is
 an in-process vLLM ``LLM`` with the engine's worker extension: its worker maps
 the shares, checks the buckets and installs them along its install path
-(``rollout.ipc_receiver``). See ``bench/refit.py`` for the command line.
+(``rollout.install.ipc_receiver``). See ``bench/refit.py`` for the command line.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def ipc_learner_side(model_dir: str, bucket_bytes: int, conn) -> None:
 def colocated(args, model_dir: str, results) -> None:
     """One GPU, two processes as in a colocated pool: the learner's process exports CUDA IPC shares of its
     buckets; this process's vLLM worker (the engine's ``worker_extension_cls``) maps them, checks them and
-    installs them along its install path (``rollout.ipc_receiver``). Timed from the export's start to
+    installs them along its install path (``rollout.install.ipc_receiver``). Timed from the export's start to
     installed, on one system-wide monotonic clock."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"

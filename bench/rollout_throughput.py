@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout.config import GenerationConfig, VllmConfig  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.options import build_engine_options  # noqa: E402
-from rollout.rewards import get_reward_fn  # noqa: E402
+from rollout.rewards.registry import get_reward_fn  # noqa: E402
 from rollout.tasks import make_prompts  # noqa: E402
-from services.tiny_model import make_tiny_model  # noqa: E402
+from services.models.tiny_model import make_tiny_model  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_MODEL_LEN = 512
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (default: torch.compile)")
     ap.add_argument("--variants", default="llm,async_delta,async_final,rollout_engine")
-    ap.add_argument("--size", default="tiny", help="services.tiny_model size (0.6b on a GPU)")
+    ap.add_argument("--size", default="tiny", help="services.models.tiny_model size (0.6b on a GPU)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = ap.parse_args()
 

@@ -72,12 +72,12 @@ def main() -> None:
 
     from protocol import TrajectoryGroup, decode, encode
     from services import pool as pool_api
-    from services import ray_runtime
+    from services.cluster import ray_runtime
     from services.app import deploy_pool
-    from services.channel import ChannelTimeout, TrajectoryChannel
-    from services.config import load_recipe
+    from services.job.channel import ChannelTimeout, TrajectoryChannel
+    from services.recipe.config import load_recipe
     from services.job.prompt_source import PromptSource
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     os.environ.setdefault("INFLIGHT_ADMIN_TOKEN", "soak-admin-token")
     recipe = load_recipe(None, ["rollout_pool.name=inflight-soak", "logger.tensorboard_enabled=false"])

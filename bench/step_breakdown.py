@@ -53,9 +53,9 @@ def summarize(path: str | Path) -> dict:
 def run_both(args) -> dict[str, dict]:
     """Deploy one pool and run the sync and the async learner against it, one after the other."""
     from services import pool as pool_api
-    from services import ray_runtime
+    from services.cluster import ray_runtime
     from services.app import deploy_pool, run_learner
-    from services.config import load_recipe
+    from services.recipe.config import load_recipe
 
     common = list(args.overrides) + [f"grpo.max_num_steps={args.steps}", "checkpointing.enabled=false",
                                      "logger.tensorboard_enabled=false"]

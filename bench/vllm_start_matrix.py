@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="only these MP,V2,parent_cuda triples, e.g. 0,0,0;1,0,1")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen2", size="tiny", dtype="bfloat16"))
     combos = list(itertools.product((0, 1), (0, 1), (0, 1)))
     if args.cases:

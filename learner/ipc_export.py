@@ -31,7 +31,7 @@ ROW_WORDS = 128
 def row_checksum(buf: torch.Tensor) -> torch.Tensor:
     """Position-weighted sum of a uint8 buffer (its length a multiple of 1 KiB) in one pass over the data: its
     64-bit words summed row by row (1 KiB rows), the row sums weighted by their position; a 0-d int64 tensor on
-    the buffer's device, wrapping arithmetic. Twin of ``rollout.ipc_receiver.row_checksum`` (the learner and
+    the buffer's device, wrapping arithmetic. Twin of ``rollout.install.ipc_receiver.row_checksum`` (the learner and
     the engine never import each other; a unit test checks that the two agree)."""
     rows = buf.view(torch.int64).view(-1, ROW_WORDS).sum(1)
     return (rows * torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=buf.device)).sum()

@@ -1,7 +1,7 @@
 """A CUDA IPC share of one weight bucket as plain data: what a learner on a GPU hands an engine on the same GPU.
 
 The learner (``learner/ipc_export.py``) makes one per bucket from torch's ``reduce_tensor`` of the bucket, without
-its Python classes; the engine's worker (``rollout/ipc_receiver.py``) maps it with ``rebuild_cuda_tensor``. The
+its Python classes; the engine's worker (``rollout/install/ipc_receiver.py``) maps it with ``rebuild_cuda_tensor``. The
 wire form is the list ``[nbytes, device_uuid, tensor_offset, storage_device, storage_handle, storage_size_bytes,
 storage_offset_bytes, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required]``: the arguments
 of ``rebuild_cuda_tensor`` that are data, in its order, after the bucket's size and the UUID of its GPU. No pickle

@@ -1,9 +1,9 @@
 """Rollout side of Inflight: vLLM engines that sample scored groups and install weight pushes in flight.
 
 - :mod:`rollout.engine` -- :class:`~rollout.engine.RolloutEngine`, the facade around vLLM's ``AsyncLLM``;
-- :mod:`rollout.sampling` / :mod:`rollout.install` / :mod:`rollout.labels` -- its groups, installs, version labels;
+- :mod:`rollout.sampling` / :mod:`rollout.labels` -- its groups, version labels;
 - :mod:`rollout.options` -- recipe ``vllm_cfg`` -> engine arguments, checked against the installed vLLM;
-- :mod:`rollout.weight_receiver` -- verify a weight push and stage it in shared memory;
+- :mod:`rollout.install` -- the in-flight install: verify a weight push, stage it, install it;
 - :mod:`rollout.rewards` / :mod:`rollout.tasks` -- reward functions and prompt sources.
 
 This package speaks only :mod:`protocol`; it never imports ``learner`` or ``services``.

@@ -50,7 +50,7 @@ class VllmConfig(ConfigModel):
     """Collective refit: install pushes with vLLM's plain ``load_weights`` once the first push has proven it
     gives the same tensors as the layerwise ``reload_weights`` for this model, and with one foreach copy into
     the parameters once a copy plan recorded on that push is proven equal to plain load
-    (``rollout.direct_load``); False: always ``reload_weights``."""
+    (``rollout.install.direct_load``); False: always ``reload_weights``."""
 
 
 class KernelKwargs(ConfigModel):

@@ -4,7 +4,7 @@
 engine's life (start within a bound, sleep / wake-up for colocated mode, shut
 down without leaking ``/dev/shm``) and hands the rest to its parts: group
 sampling and scoring (:mod:`rollout.sampling`), the install of new weights and
-the version it advances (:mod:`rollout.install`), and the per-token version
+the version it advances (:mod:`rollout.install.installer`), and the per-token version
 labels (:mod:`rollout.labels`). docs/rollout.md describes the whole engine.
 """
 from __future__ import annotations
@@ -20,19 +20,19 @@ import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
 from protocol.images import PromptImage
-from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
-from rollout.environment import BoundedEnvironment
+from rollout.episodes.chat_turns import ChatTurns
+from rollout.episodes.environment import BoundedEnvironment
 from rollout.errors import EngineError, bounded
-from rollout.install import Installer
+from rollout.install.installer import Installer
+from rollout.install.weight_receiver import ExpectedParams
 from rollout.kv_stats import KvCounters, build_async_llm
 from rollout.labels import VersionLabels
 from rollout.liveness import EngineDead, EngineProcesses, dead_reason
 from rollout.options import EngineOptions, build_engine_options
-from rollout.rewards import RewardFn
+from rollout.rewards.registry import RewardFn
 from rollout.sampling import GroupSampler
 from rollout.vllm_images import image_token_id
-from rollout.weight_receiver import ExpectedParams
 
 __all__ = ["EngineError", "RolloutEngine"]
 
@@ -199,7 +199,7 @@ class RolloutEngine:
 
     def _env_stats(self, env: Any) -> dict[str, Any]:
         """The environment's counters for the pool's metrics: the episode counters, and for a server its calls
-        by outcome (:class:`rollout.env_http.EnvCallStats`) and retries."""
+        by outcome (:class:`rollout.episodes.env_http.EnvCallStats`) and retries."""
         s = self.sampler.stats
         out: dict[str, Any] = {"name": env.name, "episodes": s.episodes, "turns": s.turns, "env_tokens": s.env_tokens,
                                "env_failures": s.env_failures, "episodes_truncated": s.episodes_truncated,
@@ -220,7 +220,7 @@ class RolloutEngine:
                              temperature: float | None = None) -> TrajectoryGroup:
         """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
         overrides ``generation.temperature`` (0: greedy). With an ``environment``, each answer is an episode of
-        up to ``max_rollout_turns`` turns (:mod:`rollout.episode`)."""
+        up to ``max_rollout_turns`` turns (:mod:`rollout.episodes.episode`)."""
         if group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {group_size}")
         self._require_started()
@@ -287,7 +287,7 @@ class RolloutEngine:
 
     async def install_ipc(self, manifest: WeightManifest, shares: list, *, reset: bool = False) -> int:
         """Install a push whose buckets stay in the learner's GPU memory: the worker maps them through the CUDA
-        IPC ``shares`` (:mod:`rollout.ipc_receiver`), checks them on the device against ``manifest`` and
+        IPC ``shares`` (:mod:`rollout.install.ipc_receiver`), checks them on the device against ``manifest`` and
         installs them in flight (copy plan once proven, else ``reload_weights``), reading straight from the
         learner's buffers; the learner may free them once this returns. Checked like :meth:`install_from_group`;
         raises :class:`WeightUpdateError` with the old version still serving."""

@@ -28,7 +28,7 @@ KEY = "policy.generation.vllm_cfg"
 Platform = Literal["cpu", "cuda"]
 CUDA_GRAPH_MODE = "FULL_AND_PIECEWISE"
 """CUDA-graph mode used when ``enforce_eager`` is False on GPU (full graphs for decode, piecewise for prefill)."""
-WORKER_EXTENSION = "rollout.collective_receiver.CollectiveWeightReceiver"
+WORKER_EXTENSION = "rollout.install.collective_receiver.CollectiveWeightReceiver"
 """vLLM worker extension (``worker_extension_cls``) that receives weight pushes over a collective group."""
 
 

@@ -6,7 +6,8 @@ A failed attempt (timeout, vLLM abort, error) is retried up to
 ``generation.max_retries`` times; a sample that still fails, or that the
 reward function cannot score, is returned with ``finish_reason="error"`` and
 ``reward=None``, never with reward 0. docs/rollout.md ("Groups") has the rules.
-With an ``environment`` set, each sample is a multi-turn episode instead (:mod:`rollout.episode`).
+With an ``environment`` set, each sample is a multi-turn episode instead (:mod:`rollout.episodes.episode`), which
+reaches this sampler only through :class:`rollout.episodes.turn_sampler.TurnSampler`.
 """
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
 from protocol.images import PromptImage
-from rollout.chat_turns import ChatTurns
 from rollout.config import GenerationConfig
-from rollout.environment import BoundedEnvironment
-from rollout.episode import failed_trajectory, play_group
+from rollout.episodes.chat_turns import ChatTurns
+from rollout.episodes.environment import BoundedEnvironment
+from rollout.episodes.episode import failed_trajectory, play_group
+from rollout.episodes.turn_sampler import EpisodeLimits, SampledTurn
 from rollout.errors import EngineError
 from rollout.labels import VersionLabels
 from rollout.liveness import EngineDead
-from rollout.reward_env import RewardEnv, score_samples
-from rollout.rewards import RewardFailure, RewardFn, RewardInput
+from rollout.rewards.registry import RewardFailure, RewardFn, RewardInput
+from rollout.rewards.reward_env import RewardEnv, score_samples
 from rollout.streamed import StreamedSample
 from rollout.vllm_images import vllm_prompt
 
@@ -49,20 +51,9 @@ class SampleFailed(Exception):
 
 
 @dataclass
-class SampledTurn:
-    """What one finished request gave back: a single-turn answer, or one turn of an episode."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: np.ndarray
-    finish_reason: str
-    text: str
-
-
-@dataclass
 class SamplingStats:
     """Sampling counters since the engine started; ``RolloutEngine.stats()`` reports them with the install
-    counters (:class:`rollout.install.InstallStats`)."""
+    counters (:class:`rollout.install.installer.InstallStats`)."""
 
     groups: int = 0
     """Groups finished (every sample scored or failed)."""
@@ -100,7 +91,8 @@ class SamplingStats:
 
 class GroupSampler:
     """Samples and scores groups; ``generation``, ``reward_fn``, ``reward_timeout_s``, ``environment``,
-    ``max_turns`` and ``truncated_reward`` are read at every call."""
+    ``max_turns`` and ``truncated_reward`` are read at every call. It is the
+    :class:`~rollout.episodes.turn_sampler.TurnSampler` of the episodes it plays."""
 
     def __init__(self, engine_id: str, generation: GenerationConfig, reward_fn: RewardFn, reward_timeout_s: float,
                  labels: VersionLabels, max_model_len: int, llm: Callable[[], Any], version: Callable[[], int],
@@ -114,7 +106,7 @@ class GroupSampler:
         self.reward_timeout_s = reward_timeout_s
         self.labels = labels
         self.environment = environment
-        """Plays each sample as a multi-turn episode (:mod:`rollout.episode`); None: one answer scored by
+        """Plays each sample as a multi-turn episode (:mod:`rollout.episodes.episode`); None: one answer scored by
         ``reward_fn``."""
         self.max_turns = max_turns
         """``grpo.max_rollout_turns``: the most turns an episode samples."""
@@ -144,12 +136,12 @@ class GroupSampler:
                     temperature: float | None = None) -> TrajectoryGroup:
         """Sample ``group_size`` answers to ``request``, score them, and return the group; ``temperature``
         overrides ``generation.temperature`` (validation; 0 is greedy). With an ``environment``, each sample is an
-        episode (:func:`rollout.episode.play_group`)."""
+        episode (:func:`rollout.episodes.episode.play_group`)."""
         if self.environment is not None:
             if request.images:
                 raise ValueError(f"prompt {request.prompt_id}: images with an environment (multi-turn episodes) "
                                  f"are not supported")
-            return await play_group(self, self.environment, request, group_size, temperature)
+            return await self._play_episodes(self.environment, request, group_size, temperature)
         results = await asyncio.gather(*(self._sample_with_retries(request, i, temperature)
                                          for i in range(group_size)))
         if any(isinstance(r, SampleFailed) for r in results):
@@ -177,6 +169,20 @@ class GroupSampler:
                 self.stats.samples_ok += 1
                 self.stats.tokens_generated += len(result.token_ids)
         return self.finish_group(request, request.prompt_ids, trajectories, group_size)
+
+    async def _play_episodes(self, env: BoundedEnvironment, request: PromptRequest, group_size: int,
+                             temperature: float | None) -> TrajectoryGroup:
+        """Each sample an episode against ``env`` (:func:`rollout.episodes.episode.play_group`), with this
+        sampler's limits as they are now, counted in :attr:`stats`."""
+        if self.chat_turns is None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: GroupSampler.chat_turns is not set (the engine "
+                               f"sets it at start, from its tokenizer); cannot play episodes")
+        limits = EpisodeLimits(self.max_turns, self.max_model_len, self.generation.max_new_tokens,
+                               self.truncated_reward)
+        played = await play_group(self, env, self.chat_turns, request, group_size, limits, self.stats, temperature)
+        if isinstance(self.reward_fn, RewardEnv):  # the environment may score its final answers with it
+            self.stats.reward_timeouts = self.reward_fn.workers.timeouts
+        return self.finish_group(request, played.prompt_ids, played.trajectories, group_size)
 
     def finish_group(self, request: PromptRequest, prompt_ids: np.ndarray | list[int],
                      trajectories: list[Trajectory], group_size: int) -> TrajectoryGroup:

@@ -8,9 +8,9 @@ split, ``split="val"``, draws from another stream and its ids are
 ``f"val:{task}-{i}"``). Tasks:
 ``repeat_letter`` ("Repeat the letter i.", reward ``repeat_letter``) and
 ``arithmetic`` ("What is a plus b?", rewards ``math_exact`` / ``format``),
-``letter_relay`` (the multi-turn game of :class:`rollout.envs.LetterRelay`: 3 rounds, the same letters as
+``letter_relay`` (the multi-turn game of :class:`rollout.episodes.envs.LetterRelay`: 3 rounds, the same letters as
 ``repeat_letter``) and ``multi_step_arithmetic`` ("Compute (a + b) * c.", the calculator tool shown through the
-chat template's ``tools``; :class:`rollout.envs.CalculatorArithmetic`, or ``tool_calls`` with ``math_exact``);
+chat template's ``tools``; :class:`rollout.episodes.envs.CalculatorArithmetic`, or ``tool_calls`` with ``math_exact``);
 docs/rollout.md ("The toy task") says why the letter task is built as it is.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from protocol import PromptRequest
-from rollout.calculator import CALCULATOR
-from rollout.envs.arithmetic import make_problem, problem_text
-from rollout.envs.letter_relay import first_prompt, relay_task
+from rollout.episodes.calculator import CALCULATOR
+from rollout.episodes.envs.arithmetic import make_problem, problem_text
+from rollout.episodes.envs.letter_relay import first_prompt, relay_task
 
 TASKS = ("repeat_letter", "arithmetic", "letter_relay", "multi_step_arithmetic")
 RELAY_ROUNDS = 3
@@ -83,7 +83,7 @@ def check_template_shows_tools(tokenizer, tools: list[dict[str, Any]],
         names = [t.get("function", {}).get("name") for t in tools]
         raise ValueError(f"tools {names}: the model's chat template does not show tools (apply_chat_template "
                          f"ignores tools=); use a model whose template renders them (Qwen2.5, Qwen3, a tiny model "
-                         f"built by this version of services/tiny_model.py)")
+                         f"built by this version of services/models/tiny_model.py)")
 
 
 def make_prompts(task: str, tokenizer, num_prompts: int, seed: int, split: str = "train",
@@ -91,7 +91,7 @@ def make_prompts(task: str, tokenizer, num_prompts: int, seed: int, split: str =
                  template_kwargs: Mapping[str, Any] | None = None) -> list[PromptRequest]:
     """``num_prompts`` prompts of ``task``, the same for the same ``seed``; ``split="val"`` draws them from
     another random stream and prefixes their ids with ``val:`` (they never collide with training ids).
-    ``tools``: the tool schemas the chat template shows (``rollout.env_registry.tool_schemas``); None: the
+    ``tools``: the tool schemas the chat template shows (``rollout.episodes.env_registry.tool_schemas``); None: the
     task's own (the calculator for ``multi_step_arithmetic``, none otherwise); ``[]``: none. ``template_kwargs``:
     extra arguments of every chat-template call (``policy.tokenizer.chat_template_kwargs``)."""
     if task not in TASKS:

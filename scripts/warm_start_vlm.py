@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     model_dir = resolve_model(a.model)
     rng, torch_rng = random.Random(a.seed), torch.manual_seed(a.seed)

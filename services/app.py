@@ -12,11 +12,13 @@ import secrets
 import sys
 from pathlib import Path
 
-from services import console, ray_runtime, startup_progress
 from services import pool as pool_api
-from services.config import Recipe
+from services.cluster import ray_runtime
+from services.console import output as console
+from services.console import progress as startup_progress
 from services.job.learner_actor import LearnerGroup
-from services.model_variant import resolve_policy_model
+from services.models.variant import resolve_policy_model
+from services.recipe.config import Recipe
 
 
 def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
@@ -42,10 +44,10 @@ def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
 
 def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
     """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file."""
-    from services.export import save_run_recipe
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
+    from services.offline.export import save_run_recipe
 
     model_path = resolve_policy_model(recipe.policy)
     save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from

@@ -23,12 +23,12 @@ User errors (bad recipe, bad arguments, a cluster that refuses the connection) p
 pool that does not start prints its reason in one line and exits 1; no traceback. An error out of an actor (a
 learner rank, an engine) prints one line naming it and exits 1; its traceback goes to RUN_DIR/logs/driver.log;
 so does any other error once the command has opened RUN_DIR/logs. ``validate``, ``run``, ``pool deploy`` and
-``learner attach`` first check every file, class and model the recipe names (:mod:`services.recipe_checks`):
+``learner attach`` first check every file, class and model the recipe names (:mod:`services.preflight.checks`):
 all problems at once, one line each, exit 2, before anything starts.
 
 ``run``, ``pool deploy`` and ``learner attach`` print Inflight's own lines; the Ray, Serve and vLLM logs go to
 RUN_DIR/logs (``pool status|shutdown``: INFLIGHT_HOME/logs; ``--verbose`` prints them too):
-:mod:`services.console`.
+:mod:`services.console.output`.
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from services import console
-from services.cluster_auth import ClusterConnectError
-from services.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
+from services.cluster.auth import ClusterConnectError
+from services.console import output as console
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
-from services.local_engine import LocalEngineError
+from services.offline.local_engine import LocalEngineError
 from services.pool.startup import PoolStartError
-from services.recipe_checks import check_recipe
+from services.preflight.checks import check_recipe
+from services.recipe.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 
 EXIT_USER_ERROR = 2
 EXIT_FAILED = 1
@@ -79,9 +79,9 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from services.tiny_model import make_tiny_model
-    from services.tiny_vlm import ARCH as VLM_ARCH
-    from services.tiny_vlm import VLM_SIZES, make_tiny_vlm
+    from services.models.tiny_model import make_tiny_model
+    from services.models.tiny_vlm import ARCH as VLM_ARCH
+    from services.models.tiny_vlm import VLM_SIZES, make_tiny_vlm
 
     if args.arch == VLM_ARCH:
         if args.size not in VLM_SIZES or args.tie_word_embeddings:
@@ -106,8 +106,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_deploy(args: argparse.Namespace) -> int:
-    from services import cluster, ray_runtime
     from services.app import deploy_pool
+    from services.cluster import head as cluster
+    from services.cluster import ray_runtime
 
     recipe = _recipe(args, [f"rollout_pool.name={args.name}"] if args.name else [])
     check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
@@ -121,8 +122,9 @@ def _cmd_pool_deploy(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_status(args: argparse.Namespace) -> int:
-    from services import cluster, pool, ray_runtime
-
+    from services import pool
+    from services.cluster import head as cluster
+    from services.cluster import ray_runtime
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
     status = pool.connect(args.name).status.remote().result(timeout_s=60)
@@ -138,7 +140,9 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
 def _cmd_pool_scale(args: argparse.Namespace) -> int:
     """Scale a running pool; a refused request or a bad value is a user error (2), engines that did not boot
     a failure (1)."""
-    from services import cluster, pool, ray_runtime
+    from services import pool
+    from services.cluster import head as cluster
+    from services.cluster import ray_runtime
     from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, ScaleError, ScaleRequestError
     from services.pool.startup import BOOT_TIMEOUT_S
     from services.refit.result import remote_cause
@@ -168,8 +172,9 @@ def _cmd_pool_scale(args: argparse.Namespace) -> int:
 
 
 def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
-    from services import cluster, pool, ray_runtime
-
+    from services import pool
+    from services.cluster import head as cluster
+    from services.cluster import ray_runtime
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
     pool.shutdown(args.name)
@@ -183,8 +188,9 @@ def _cmd_pool_shutdown(args: argparse.Namespace) -> int:
 
 
 def _cmd_learner_attach(args: argparse.Namespace) -> int:
-    from services import cluster, ray_runtime
     from services.app import run_learner
+    from services.cluster import head as cluster
+    from services.cluster import ray_runtime
 
     recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
     check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
@@ -228,7 +234,7 @@ def _cmd_learner_job(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from services.export import ExportError, export
+    from services.offline.export import ExportError, export
 
     try:
         export(args.run_dir, args.out, args.step, args.recipe, list(args.overrides), overwrite=args.overwrite)
@@ -249,9 +255,9 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.tiny_model import ARCHS, SIZES
-    from services.tiny_vlm import ARCH as VLM_ARCH
-    from services.tiny_vlm import VLM_SIZES
+    from services.models.tiny_model import ARCHS, SIZES
+    from services.models.tiny_vlm import ARCH as VLM_ARCH
+    from services.models.tiny_vlm import VLM_SIZES
 
     p = argparse.ArgumentParser(prog="inflight", description="Asynchronous GRPO: vLLM rollout pool + Megatron learner.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -343,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model size ({VLM_ARCH}: {', '.join(VLM_SIZES)})")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     t.set_defaults(func=_cmd_make_tiny_model)
-    from services.eval_cmd import add_commands  # inflight eval, inflight generate
+    from services.offline.eval import add_commands  # inflight eval, inflight generate
     add_commands(sub)
     return p
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 KIND_KEY, KIND = "inflight_kind", "learner"
 """The metadata entry that marks a Ray job as an Inflight learner job."""
@@ -165,8 +165,8 @@ class LearnerJobs:
         process's token source (``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN_PATH``, set by ``cluster_auth``)."""
         from ray.job_submission import JobSubmissionClient
 
-        from services import cluster, cluster_auth
-
+        from services.cluster import auth as cluster_auth
+        from services.cluster import head as cluster
         address = cluster.known_address()
         if not address:
             raise LearnerJobError("no Ray cluster: set RAY_ADDRESS or run `inflight pool deploy` first")
@@ -208,7 +208,7 @@ class LearnerJobs:
     def require_pool(self, pool: str) -> None:
         """An error unless a rollout pool named ``pool`` runs on the cluster (asked through Ray Serve)."""
         from services import pool as pool_api
-        from services import ray_runtime
+        from services.cluster import ray_runtime
 
         ray_runtime.connect(self.address)
         try:

@@ -26,7 +26,7 @@ from services.job.checkpoint_marker import LATEST, STEP_NAME, CheckpointRefused
 from services.job.checkpoints import Checkpoints
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 PREVIOUS = "previous"
 """In a run directory: where ``--fresh`` moves an earlier run's files (one ``<UTC time>`` folder per start-over)."""
@@ -76,8 +76,8 @@ def start_or_resume(recipe: Recipe, run_dir: Path, fresh: bool) -> RunStart:
 def run(recipe: Recipe, run_dir: Path, fresh: bool = False, verbose: bool = False) -> int:
     """``inflight run``: decide how to start (:func:`start_or_resume`), say it in one line, run the whole loop
     on this machine (:func:`services.app.run_embedded`); the exit code."""
-    from services import console
     from services.app import run_embedded
+    from services.console import output as console
 
     try:
         start = start_or_resume(recipe, run_dir, fresh)

@@ -36,14 +36,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Qwen2 (seed 0, float32) with its local tokenizer."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-s0"), seed=0, arch="qwen2"))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir_v2(tmp_path_factory, tiny_model_dir):
     """Same architecture and tokenizer as ``tiny_model_dir``, different random weights (seed 1)."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-s1"), seed=1, arch="qwen2",
                                tokenizer_from=tiny_model_dir))
 
@@ -51,7 +51,7 @@ def tiny_model_dir_v2(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2)."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-moe"), seed=0, arch="qwen3_moe"))
 
 
@@ -66,7 +66,7 @@ FAMILIES = {"qwen2": ("qwen2", False), "qwen2_tied": ("qwen2", True), "qwen3": (
 def family_models(tmp_path_factory, tiny_model_dir, tiny_moe_dir):
     """``family_models(name, seed=0)``: the tiny model of a family in :data:`FAMILIES` (tokenizer of
     ``tiny_model_dir``), built on first use and reused for the rest of the session."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     built = {("qwen2", 0): tiny_model_dir, ("qwen3_moe", 0): tiny_moe_dir}
 

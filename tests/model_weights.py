@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout.weight_receiver import PROTOCOL_DTYPES, read_safetensors_header
+from rollout.install.weight_receiver import PROTOCOL_DTYPES, read_safetensors_header
 
 
 def model_tensors(model_dir: str):

@@ -4,20 +4,20 @@ A push over NCCL (gloo on CPU) must be received in the worker processes, on
 the worker's device, next to the model. :class:`CollectiveWeightReceiver` is
 mixed into vLLM's worker class; the engine calls its methods through
 ``collective_rpc``: ``inflight_reload_weights`` (install a staged bucket push,
-then :mod:`rollout.cpu_reload`), ``inflight_join_weight_group`` (join the learner's
+then :mod:`rollout.install.cpu_reload`), ``inflight_join_weight_group`` (join the learner's
 :class:`protocol.weight_transfer.WeightTransferGroup`), ``inflight_receive_weights``
 (receive and device-verify the next push between two scheduler steps),
 ``inflight_install_received`` (install it while paused, through
-:mod:`rollout.direct_load`) and ``inflight_drop_received`` (free a rejected
+:mod:`rollout.install.direct_load`) and ``inflight_drop_received`` (free a rejected
 push). docs/rollout.md ("Pushes over a weight group") has the steps. The CUDA IPC methods
-(a colocated learner's buffers mapped in place) come from :class:`rollout.ipc_receiver.IpcWeightReceiver`.
+(a colocated learner's buffers mapped in place) come from :class:`rollout.install.ipc_receiver.IpcWeightReceiver`.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
-from rollout.ipc_receiver import IpcWeightReceiver
+from rollout.install.ipc_receiver import IpcWeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
 
     def inflight_reload_weights(self, weights_path: str) -> list[str]:
         """Install a staged push with ``reload_weights``, then rebuild the CPU kernels it leaves stale
-        (:mod:`rollout.cpu_reload`); returns what was repaired."""
-        from rollout.cpu_reload import repair_after_reload
+        (:mod:`rollout.install.cpu_reload`); returns what was repaired."""
+        from rollout.install.cpu_reload import repair_after_reload
 
         self.reload_weights(weights_path=weights_path)
         return repair_after_reload(self.model_runner.get_model())
@@ -72,8 +72,8 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
 
     def inflight_install_received(self, version: int, direct_load: bool = False) -> dict:
         from protocol.weight_transfer import named_views
-        from rollout.cpu_reload import repair_after_reload
-        from rollout.direct_load import DirectLoad, worker_kv_caches
+        from rollout.install.cpu_reload import repair_after_reload
+        from rollout.install.direct_load import DirectLoad, worker_kv_caches
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
             have = None if self._inflight_received is None else self._inflight_received[0].version

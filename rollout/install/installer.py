@@ -4,9 +4,9 @@ One install at a time (a lock): verify the push before touching the engine (a
 bad push raises :class:`WeightUpdateError` and the old version keeps serving),
 pause (``keep``: running requests stay), let the front end deliver the outputs
 produced before the pause (streamed labels only), install (``reload_weights``
-from a staged safetensors file, then :mod:`rollout.cpu_reload`; or the workers'
+from a staged safetensors file, then :mod:`rollout.install.cpu_reload`; or the workers'
 install of a push they hold already, received over the weight group or mapped
-through CUDA IPC: direct load / copy plan / reload, :mod:`rollout.direct_load`),
+through CUDA IPC: direct load / copy plan / reload, :mod:`rollout.install.direct_load`),
 set the version label, advance the version, and always resume; the prefix
 cache is reset after the resume (requests are salted by version, so no request
 can meet an old-weight block meanwhile). A failure inside the pause leaves the
@@ -24,9 +24,7 @@ from typing import Any, TypeVar
 
 from protocol import WeightBucket, WeightManifest, decode, encode
 from rollout.errors import EngineError, bounded
-from rollout.labels import VersionLabels
-from rollout.liveness import EngineDead, dead_reason
-from rollout.weight_receiver import (
+from rollout.install.weight_receiver import (
     ExpectedParams,
     WeightUpdateError,
     remove_staged,
@@ -34,6 +32,8 @@ from rollout.weight_receiver import (
     verify_manifest,
     verify_push,
 )
+from rollout.labels import VersionLabels
+from rollout.liveness import EngineDead, dead_reason
 
 T = TypeVar("T")
 
@@ -99,11 +99,11 @@ class InstallStats:
     """Time of the workers' install (reload or direct load) inside the last pause."""
     install_path_last: str = ""
     """How the last push the workers held was installed (weight group, CUDA IPC): ``reload``, ``direct``,
-    ``copy`` or ``checked`` (rollout.direct_load)."""
+    ``copy`` or ``checked`` (rollout.install.direct_load)."""
     direct_load_refused: str = ""
     """Why plain ``load_weights`` is not used for this model (empty: proven, or not checked yet)."""
     copy_plan_refused: str = ""
-    """Why the copy plan of ``rollout.direct_load`` is not used (empty: proven, or not checked yet)."""
+    """Why the copy plan of ``rollout.install.direct_load`` is not used (empty: proven, or not checked yet)."""
     refit_bytes_total: int = 0
     """Bytes of weights installed since the engine started."""
     refit_bytes_last: int = 0
@@ -212,7 +212,7 @@ class Installer:
     async def install_ipc(self, llm: Any, manifest: WeightManifest, shares: list, *, reset: bool = False,
                           direct_load: bool = True) -> int:
         """Have the workers map the learner's exported buffers (CUDA IPC ``shares``, one per bucket of
-        ``manifest``: :mod:`rollout.ipc_receiver`), check them on the device against the manifest's sums, and
+        ``manifest``: :mod:`rollout.install.ipc_receiver`), check them on the device against the manifest's sums, and
         install them; returns the new version. Rejected (old version serving) before the pause if the
         manifest does not fit the model, a buffer is not on this engine's GPU, or a checksum differs."""
         async def receive() -> WeightManifest:

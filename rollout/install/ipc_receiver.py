@@ -6,13 +6,13 @@ on its GPU, computes their device checksums and exports one CUDA IPC share per
 bucket (``learner/ipc_export.py``: torch's ``reduce_tensor`` of the bucket,
 without its Python classes, so the share is plain data: no pickle of tensor
 data or of code). This mixin of the worker extension
-(:class:`rollout.collective_receiver.CollectiveWeightReceiver`) maps each share
+(:class:`rollout.install.collective_receiver.CollectiveWeightReceiver`) maps each share
 with torch's ``rebuild_cuda_tensor`` (waiting on the learner's CUDA event, so
 its writes are complete), checks the mapped bytes against the manifest's sums
 (:func:`row_checksum`, one pass over the bytes) -- before any pause -- and
 holds them as the received push; the install then copies straight out of the
 learner's memory along the copy plan (or plain load / ``reload_weights``,
-:mod:`rollout.direct_load`) and the worker lets go of the mapping once those
+:mod:`rollout.install.direct_load`) and the worker lets go of the mapping once those
 copies have finished on the device. The learner keeps the buffers until every
 engine has answered (``services/refit/cuda_ipc.py``). docs/rollout.md ("Pushes
 through CUDA IPC") has the steps.

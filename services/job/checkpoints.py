@@ -27,8 +27,8 @@ from services.job.parity import Sequences
 from services.job.prompt_book import BookState
 
 if TYPE_CHECKING:
-    from services.config import CheckpointingConfig
     from services.job.learner_actor import LearnerGroup
+    from services.recipe.config import CheckpointingConfig
 
 METRIC_FILE = "job_metric.json"
 """In a checkpoint directory: ``{"step", "metric_name", "value"}`` (value None when the step's row had none)."""
@@ -100,9 +100,9 @@ class Checkpoints:
         ``latest`` at it and remove the checkpoints :func:`kept` does not keep."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"step_{state.step:06d}"
-        learner.call("save_checkpoint", str(path), state.extra())
+        learner.save_checkpoint(str(path), state.extra())
         if self.cfg.save_hf:
-            learner.call("save_hf", str(path / HF_DIR))
+            learner.save_hf(str(path / HF_DIR))
         name = self.cfg.metric_name
         value = (row or {}).get(name) if name else None
         value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -150,4 +150,4 @@ class Checkpoints:
         path = self.latest()
         if path is None:
             return None
-        return path, JobState.of(learner.call("load_checkpoint", str(path)))
+        return path, JobState.of(learner.load_checkpoint(str(path)))

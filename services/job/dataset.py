@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from protocol.fields import MAX_STRING_CHARS
-from services.config_data import HUB_PREFIX, DataConfig, hub_id
 from services.job.data_errors import bad_json_line, line_of_row, type_mismatch, undecodable_column
+from services.recipe.data import HUB_PREFIX, DataConfig, hub_id
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> ``datasets`` builder."""

@@ -4,7 +4,7 @@
 CPU), gives them a common ``torch.distributed`` rendezvous on rank 0's node
 (rank 0 reports its node's IP and a port free there, :func:`start_ranks`;
 the model's files are shipped to ranks whose node lacks them,
-:mod:`services.model_files`), and calls every
+:mod:`services.models.files`), and calls every
 method on all ranks at once (Megatron is SPMD), returning rank 0's answer.
 Trajectories reach the actors as protocol bytes in the Ray object store and
 are decoded inside. Weights leave either as encoded ``WeightManifest`` /
@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from protocol import TrajectoryGroup, decode, encode
+from services.refit.learner_port import ExportedWeights, IpcExport, SentPush
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
     from learner.ipc_export import IpcExporter
     from learner.trainer import Learner
-    from services.config import Recipe
-    from services.model_files import ModelFiles
+    from services.models.files import ModelFiles
+    from services.recipe.config import Recipe
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,15 @@ class LearnerActor:
         """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
         import ray
 
-        from services.cluster import free_port
+        from services.cluster.head import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the ranks at ``master_addr:master_port`` and build the learner from the model's files (shipped
-        to this node if it does not have them, :mod:`services.model_files`); returns the policy version."""
+        to this node if it does not have them, :mod:`services.models.files`); returns the policy version."""
         from learner.trainer import Learner
-        from services.model_files import ensure_local
+        from services.models.files import ensure_local
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
@@ -109,21 +110,21 @@ class LearnerActor:
         metrics["skip_reason"] = self.learner.last_skip_reason  # "" when the step was applied
         return metrics
 
-    def export_weights(self, bucket_bytes: int):
-        """Rank 0 returns ``(manifest_bytes, [bucket refs])``; other ranks take part and return None."""
+    def export_weights(self, bucket_bytes: int) -> ExportedWeights | None:
+        """Rank 0 returns the manifest and its buckets' refs; other ranks take part and return None."""
         import ray
 
         exported = self.learner.export_weights(bucket_bytes)  # collective: every rank takes part
         if self.rank != 0 or exported is None:  # None on every rank but 0
             return None
         manifest, buckets = exported
-        return encode(manifest), [ray.put(encode(b)) for b in buckets]
+        return ExportedWeights(encode(manifest), [ray.put(encode(b)) for b in buckets])
 
     def weight_group_address(self) -> tuple[str, int] | None:
         """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
         import ray
 
-        from services.cluster import free_port
+        from services.cluster.head import free_port
 
         return (ray.util.get_node_ip_address(), free_port()) if self.rank == 0 else None
 
@@ -146,8 +147,8 @@ class LearnerActor:
         """Gather this version's HF tensors on rank 0's device (collective), ready for :meth:`send_staged`."""
         self._staged = self.learner.export_weight_tensors()
 
-    def send_staged(self, bucket_bytes: int) -> dict | None:
-        """Rank 0: push the staged tensors to the weight group; returns the bytes and seconds."""
+    def send_staged(self, bucket_bytes: int) -> SentPush | None:
+        """Rank 0: push the staged tensors to the weight group; returns the version, bytes and seconds."""
         import time
 
         if self.rank != 0:
@@ -161,7 +162,7 @@ class LearnerActor:
         except Exception:
             self.leave_weight_group()  # the receivers' collectives then fail at once instead of timing out
             raise
-        return {"version": manifest.version, "bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0}
+        return SentPush(manifest.version, manifest.total_bytes, time.perf_counter() - t0)
 
     def gpu_uuid(self) -> str:
         """The UUID of this rank's GPU ('' on CPU): an engine on it alone can map the pushes of ``export_ipc``."""
@@ -169,9 +170,9 @@ class LearnerActor:
 
         return gpu_uuid(self.learner.device)
 
-    def export_ipc(self, bucket_bytes: int) -> tuple[bytes, list[list]] | None:
+    def export_ipc(self, bucket_bytes: int) -> IpcExport | None:
         """Rank 0: this version's HF tensors packed into buckets on its GPU, shared through CUDA IPC; returns
-        ``(manifest_bytes, [wire form of each share])`` and keeps the buckets until :meth:`release_ipc`.
+        the manifest and the wire form of each share, and keeps the buckets until :meth:`release_ipc`.
         Collective (every rank takes part in the gather); other ranks return None."""
         from learner.ipc_export import IpcExporter
 
@@ -181,7 +182,7 @@ class LearnerActor:
         if self._ipc is None:
             self._ipc = IpcExporter()
         manifest, shares = self._ipc.export(self.learner.policy_version, tensors, bucket_bytes)
-        return encode(manifest), [s.to_wire() for s in shares]
+        return IpcExport(encode(manifest), [s.to_wire() for s in shares])
 
     def release_ipc(self) -> int:
         """Rank 0: free the buckets of every exported version (the engines answered); returns the bytes."""
@@ -225,10 +226,10 @@ CPU_PLACEMENT_TIMEOUT_S = 300.0
 def wait_placed(recipe: Recipe, actors: list, timeout_s: float) -> None:
     """Wait (at most ``timeout_s``) until every rank actor is placed and answers. Only ranks that ask for
     something a cluster may lack (GPUs, ``cluster.learner_resources``) are waited for here; on timeout the
-    :class:`~services.gpu_layout.PlacementError` names what they ask for and the cluster's GPUs."""
+    :class:`~services.recipe.gpu_layout.PlacementError` names what they ask for and the cluster's GPUs."""
     import ray
 
-    from services.gpu_layout import PlacementError, fewer_gpus_hint, gpu_census, learner_gpus_per_rank
+    from services.recipe.gpu_layout import PlacementError, fewer_gpus_hint, gpu_census, learner_gpus_per_rank
 
     per, extra = learner_gpus_per_rank(recipe), dict(recipe.cluster.learner_resources or {})
     if not per and not extra:
@@ -252,16 +253,17 @@ class LearnerGroup:
 
     def __init__(self, recipe: Recipe, model_path: ModelFiles | str, call_timeout_s: float = 1800.0,
                  colocation: PlacementGroup | None = None, placement_timeout_s: float | None = None):
-        """``model_path``: a model directory on this node, or :class:`~services.model_files.ModelFiles` (ranks on
+        """``model_path``: a model directory on this node, or :class:`~services.models.files.ModelFiles` (ranks on
         nodes without the directory get its files shipped). ``colocation``: the pool's colocation placement
         group (``pool.colocation_group``), which puts rank ``j`` on GPU slot ``j``, shared with the engine worker
-        there (engine ``j // k`` for ``k`` GPUs per engine, :mod:`services.gpu_layout`); None for separate pools
-        and CPU runs. Raises :class:`~services.gpu_layout.PlacementError` at once when the cluster has too few
+        there (engine ``j // k`` for ``k`` GPUs per engine, :mod:`services.recipe.gpu_layout`); None for separate pools
+        and CPU runs. Raises :class:`~services.recipe.gpu_layout.PlacementError` at once when the cluster has too few
         free GPUs for the ranks, and after ``placement_timeout_s`` (default
-        :data:`~services.gpu_layout.LEARNER_PLACEMENT_TIMEOUT_S`) when they were not placed."""
+        :data:`~services.recipe.gpu_layout.LEARNER_PLACEMENT_TIMEOUT_S`) when they were not placed."""
         import ray
 
-        from services.gpu_layout import (
+        from services.models.files import ModelFiles, share
+        from services.recipe.gpu_layout import (
             LEARNER_PLACEMENT_TIMEOUT_S,
             PlacementError,
             check_learner_fits,
@@ -269,7 +271,6 @@ class LearnerGroup:
             gpu_census,
             learner_options,
         )
-        from services.model_files import ModelFiles, share
 
         world = max(1, recipe.learner_gpus)
         check_learner_fits(recipe, gpu_census(recipe))
@@ -294,14 +295,60 @@ class LearnerGroup:
             raise
         self.master = start_ranks(self.actors, self.wait)  # surfaces construction errors here, bounded
 
-    def call(self, method: str, *args):
-        return self.wait(self.call_async(method, *args), method)
+    # ------------------------------------------------------------ the ranks' methods, rank 0's answer
+    def version(self) -> int:
+        return self.wait([a.version.remote() for a in self.actors], "version")
 
-    def call_async(self, method: str, *args) -> list:
-        """Start ``method`` on every rank; :meth:`wait` gives rank 0's answer."""
-        return [getattr(a, method).remote(*args) for a in self.actors]
+    def train_step(self, group_refs: list, images: dict | None = None) -> dict[str, Any]:
+        """One optimizer step on the groups behind ``group_refs``; the learner's metrics (``skip_reason``: ''
+        when the step was applied)."""
+        return self.wait([a.train_step.remote(group_refs, images) for a in self.actors], "train_step")
 
-    def wait(self, refs: list, method: str):
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                 images: list | None = None) -> list[list[float]]:
+        """Response log-probs; ``images``: per sequence, its prompt's ``ImageInputs`` or None."""
+        return self.wait([a.logprobs.remote(prompt_ids, response_ids, images) for a in self.actors], "logprobs")
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Every rank's state under ``path``; ``extra``: the job's state, kept by rank 0."""
+        self.wait([a.save_checkpoint.remote(path, extra) for a in self.actors], "save_checkpoint")
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Every rank's state from ``path``; returns the job's state saved with it."""
+        return self.wait([a.load_checkpoint.remote(path) for a in self.actors], "load_checkpoint")
+
+    def save_hf(self, path: str) -> None:
+        """The policy as a Hugging Face model directory at ``path``."""
+        self.wait([a.save_hf.remote(path) for a in self.actors], "save_hf")
+
+    # ------------------------------------------------------------ a push's steps (services.refit.learner_port)
+    def export_weights(self, bucket_bytes: int) -> ExportedWeights:
+        return self.wait([a.export_weights.remote(bucket_bytes) for a in self.actors], "export_weights")
+
+    def stage_weights(self) -> None:
+        self.wait([a.stage_weights.remote() for a in self.actors], "stage_weights")
+
+    def send_staged(self, bucket_bytes: int) -> SentPush:
+        return self.wait([a.send_staged.remote(bucket_bytes) for a in self.actors], "send_staged")
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return self.wait([a.weight_group_address.remote() for a in self.actors], "weight_group_address")
+
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> Pending:
+        return Pending(self, [a.join_weight_group.remote(host, port, world_size, timeout_s) for a in self.actors],
+                       "join_weight_group")
+
+    def gpu_uuid(self) -> str:
+        return self.wait([a.gpu_uuid.remote() for a in self.actors], "gpu_uuid")
+
+    def export_ipc(self, bucket_bytes: int) -> IpcExport:
+        return self.wait([a.export_ipc.remote(bucket_bytes) for a in self.actors], "export_ipc")
+
+    def release_ipc(self) -> int:
+        return self.wait([a.release_ipc.remote() for a in self.actors], "release_ipc")
+
+    def wait(self, refs: list, method: str) -> Any:
+        """Rank 0's answer to a call started on every rank (``refs``, rank 0 first), within the call timeout."""
         import ray
         from ray.exceptions import GetTimeoutError
 
@@ -312,7 +359,7 @@ class LearnerGroup:
 
     def shutdown(self) -> None:
         try:
-            self.call("shutdown")
+            self.wait([a.shutdown.remote() for a in self.actors], "shutdown")
         except Exception:  # noqa: BLE001 - killed below anyway
             pass
         self._release()
@@ -325,3 +372,15 @@ class LearnerGroup:
             ray.kill(a)  # pyright: ignore[reportArgumentType] - typed as ActorProxy[LearnerActor]; an ActorHandle
         if self._own_files and self.files.holder is not None:
             ray.kill(self.files.holder)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A call started on every rank (:meth:`LearnerGroup.join_weight_group`); :meth:`wait` for rank 0's end."""
+
+    group: LearnerGroup
+    refs: list
+    method: str
+
+    def wait(self) -> None:
+        self.group.wait(self.refs, self.method)

@@ -22,9 +22,9 @@ import numpy as np
 
 from protocol import PromptRequest, encode
 from rollout.images import ImageRules
-from services.channel import ChannelTimeout, TrajectoryChannel
 from services.job.batch_stats import batch_stats
 from services.job.buffer import BufferedGroup
+from services.job.channel import ChannelTimeout, TrajectoryChannel
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.failures import FailureLog
 from services.job.image_prompts import image_inputs, vision_token_ids
@@ -39,8 +39,8 @@ from services.refit import RefitResult, make_refit
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-    from services.config import Recipe
     from services.job.learner_actor import LearnerGroup
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.job")
 REFIT_ATTEMPTS = 3
@@ -73,7 +73,7 @@ class LearnerJob:
         self.vision_tokens = vision_token_ids(model_path) if self.image_rules is not None else frozenset()
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
-        self.version = int(learner.call("version"))
+        self.version = learner.version()
         self.refit = make_refit(recipe, pool, learner)
         self.last_refit: RefitResult | None = None
         self.pushed_version = -1  # the version last pushed to the engines
@@ -172,8 +172,8 @@ class LearnerJob:
         # way, whether or not it was killed and resumed in between.
         buffered = sorted(buffered, key=lambda b: (b.group.scheduled_step, b.group.prompt_id))
         ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
-        metrics = self.learner.call("train_step", [ray.put(b.data) for b in buffered], self._images(buffered))
-        self.version = int(self.learner.call("version"))
+        metrics = self.learner.train_step([ray.put(b.data) for b in buffered], self._images(buffered))
+        self.version = self.learner.version()
         self.book.settle(buffered, trained=not self.skips.record(metrics))
         metrics["trajectory_ages"] = ages
         metrics["trajectory_age_mean"] = float(np.mean(ages))
@@ -238,7 +238,7 @@ class LearnerJob:
             row["refit_install_s"] = refit.install_seconds_max
         if refit and refit.transport:
             row["refit_transport"] = refit.transport
-        if refit and refit.phases is not None:  # where the push's seconds went (rollout.install.PauseBreakdown)
+        if refit and refit.phases is not None:  # where the push's seconds went (rollout.install's PauseBreakdown)
             row.update({f"refit_phase_{k}": v for k, v in asdict(refit.phases).items()})
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.book.buffer)
@@ -318,7 +318,7 @@ class LearnerJob:
             return
         path, state = found
         self.step = state.step
-        self.version = int(self.learner.call("version"))
+        self.version = self.learner.version()
         self.book.restore(state.book)
         self.parity.sequences = state.parity_set
         self.log.truncate_after(self.step)  # keep the record consistent with the checkpoint

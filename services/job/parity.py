@@ -24,8 +24,8 @@ from protocol.images import PromptImage
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-    from services.config import LoggerConfig
     from services.job.learner_actor import LearnerGroup
+    from services.recipe.config import LoggerConfig
 
 log = logging.getLogger("inflight.parity")
 Sequences = list[tuple[list[int], list[int]]]
@@ -190,8 +190,8 @@ class ParityProbe:
                     enumerate(zip(prompts, self.images, strict=True))] if self.images else None
         extra = (pictures,) if pictures else ()
         calls = {e: self.pool.logprobs_of.remote(prompts, responses, e, *extra) for e in targets}
-        mine = self.learner.call("logprobs", prompts, responses,  # while the engines score their side
-                                 *((self.image_inputs,) if pictures else ()))
+        mine = self.learner.logprobs(prompts, responses,  # while the engines score their side
+                                     self.image_inputs if pictures else None)
         per_engine: dict[str, dict] = {}
         for eid, call in calls.items():
             try:

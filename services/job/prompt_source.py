@@ -28,7 +28,7 @@ from services.job.image_prompts import BadImage, ImagePrompts
 from services.job.prompt_template import PromptTemplate, max_token_chars, read_system_prompt, read_template
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.data")
 
@@ -142,7 +142,7 @@ def image_prompts(recipe: Recipe, model_path: str) -> ImagePrompts | None:
 
 def recipe_tools(recipe: Recipe) -> list[dict] | None:
     """The tool schemas the prompts show (``env.<data.env_name>.tools``); None: the built-in task's own."""
-    from rollout.env_registry import tool_schemas
+    from rollout.episodes.env_registry import tool_schemas
 
     name = recipe.data.env_name
     tools = recipe.env.named[name].tools if name is not None else []

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from services.job.sinks import Sink, sink_factories
 
 if TYPE_CHECKING:
-    from services.config_logging import LoggerConfig
+    from services.recipe.logger import LoggerConfig
 
 log = logging.getLogger("inflight.run_log")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from services.config_logging import LoggerConfig
+    from services.recipe.logger import LoggerConfig
 
 MLFLOW_PARAM_BATCH = 100
 """MLflow's limit on params per ``log_batch`` call."""

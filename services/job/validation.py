@@ -19,7 +19,7 @@ from protocol import PromptRequest, TrajectoryGroup, decode, encode
 from services.job.failures import FailureLog
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.validation")
 CORRECT = 1.0 - 1e-6

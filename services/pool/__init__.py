@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
-from services.cluster import free_port
+from services.cluster.head import free_port
 from services.pool.deployment import RolloutPool
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 __all__ = ["RolloutPool", "connect", "deploy", "http_port", "shutdown"]
 
@@ -31,9 +31,9 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
     """Start (or update) the pool application on the connected Ray cluster and wait until it is ready. A pool
     that does not start is removed (Serve application, engines, colocation group) and
     :class:`~services.pool.startup.PoolStartError` gives the reason. ``model_path``: a model directory on this
-    node (registered with :func:`services.model_files.share` so that engines on other nodes get its files) or
-    a :class:`~services.model_files.ModelFiles`."""
-    from services.model_files import ModelFiles, release, share
+    node (registered with :func:`services.models.files.share` so that engines on other nodes get its files) or
+    a :class:`~services.models.files.ModelFiles`."""
+    from services.models.files import ModelFiles, release, share
     from services.pool.startup import PoolStartError, reason, remove_pool
 
     name = recipe.rollout_pool.name
@@ -107,7 +107,7 @@ def http_port() -> int:
 
 
 def shutdown(name: str) -> None:
-    from services.model_files import release
+    from services.models.files import release
 
     handle = connect(name)
     handle.shutdown_engines.remote().result(timeout_s=300)

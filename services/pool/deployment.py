@@ -27,12 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
-from services.config import Recipe
 from services.pool.dispatch import Dispatcher
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
 from services.pool.status_page import StepHistory, TokenRates, render_page, security_headers
 from services.pool.watcher import HealthWatcher
+from services.recipe.config import Recipe
 from services.refit.collective import GroupPlan, WeightGroup
 from services.refit.cuda_ipc import IpcFanout, IpcPlan
 from services.refit.object_store import ObjectStoreFanout
@@ -192,7 +192,7 @@ class RolloutPool:
     def colocation_group(self) -> Any:
         """The colocation placement group (colocated recipes on GPUs; None otherwise): learner rank ``j`` takes
         half of GPU slot ``j``, engine ``i`` of ``k`` GPUs the slots ``k*i .. k*i+k-1``
-        (:mod:`services.gpu_layout`). A learner job places its ranks with it."""
+        (:mod:`services.recipe.gpu_layout`). A learner job places its ranks with it."""
         return self.fleet.colocation
 
     def check_health(self) -> None:

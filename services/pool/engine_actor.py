@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, cast
 from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
 from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
-from services.model_files import ModelFiles
+from services.models.files import ModelFiles
 from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
-    from rollout.env_registry import EnvironmentSpec
-    from services.config import Recipe
+    from rollout.episodes.env_registry import EnvironmentSpec
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.engine")
 
@@ -61,8 +61,8 @@ class RewardEnvSpec:
         return cls(name, tuple((f.name, f.weight) for f in e.reward_functions), e.num_workers, e.timeout_s)
 
     def build(self):
-        """A :class:`rollout.reward_env.RewardEnv` with its own worker processes."""
-        from rollout.reward_env import reward_env_from_config
+        """A :class:`rollout.rewards.reward_env.RewardEnv` with its own worker processes."""
+        from rollout.rewards.reward_env import reward_env_from_config
 
         return reward_env_from_config(self.name, self.functions, self.num_workers, self.timeout_s)
 
@@ -70,7 +70,7 @@ class RewardEnvSpec:
 def environment_spec(recipe: Recipe, served_url: str | None = None) -> EnvironmentSpec | None:
     """The environment that plays episodes for ``data.env_name`` (``env.<name>.environment`` or ``url``), or
     None (single turn). ``served_url``: where the pool deployed the section's ``serve: true`` environment."""
-    from rollout.env_registry import EnvironmentSpec
+    from rollout.episodes.env_registry import EnvironmentSpec
 
     name = recipe.data.env_name
     if name is None or not (e := recipe.env.named[name]).episodic:
@@ -89,7 +89,7 @@ class EngineSpec:
 
     engine_id: str
     model_path: str | ModelFiles
-    """A model directory, or :class:`~services.model_files.ModelFiles` (shipped if this node lacks it)."""
+    """A model directory, or :class:`~services.models.files.ModelFiles` (shipped if this node lacks it)."""
     generation: GenerationConfig
     max_model_len: int
     reward_fn: str
@@ -127,7 +127,7 @@ def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
     reward_fn = spec.reward_env.build() if spec.reward_env is not None else get_reward_fn(spec.reward_fn)
     if spec.environment is None:
         return new_engine(reward_fn=reward_fn)
-    from rollout.env_registry import build_environment
+    from rollout.episodes.env_registry import build_environment
 
     timeout_s = spec.reward_env.timeout_s if spec.reward_env is not None else spec.reward_timeout_s
     return new_engine(reward_fn=reward_fn, environment=build_environment(spec.environment, reward_fn, timeout_s),
@@ -137,8 +137,8 @@ def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
 class EngineActor:
     def __init__(self, spec: EngineSpec):
         from rollout.engine import RolloutEngine
-        from rollout.rewards import get_reward_fn
-        from services.model_files import ensure_local
+        from rollout.rewards.registry import get_reward_fn
+        from services.models.files import ensure_local
 
         self.engine_id = spec.engine_id
         model_path = ensure_local(spec.model_path)  # a ModelFiles: shipped here if this node lacks the directory

@@ -2,8 +2,8 @@
 application next to the pool or as a process of its own.
 
 :func:`environment_app` is the FastAPI app that serves one environment at ``POST /reset``, ``POST /step`` and
-``GET /healthz`` -- the stateless protocol :class:`rollout.env_http.HttpEnvironment` speaks (the episode's state
-travels as JSON with every call, so any replica answers). :func:`deploy_environment` runs it as the Serve
+``GET /healthz`` -- the stateless protocol :class:`rollout.episodes.env_http.HttpEnvironment` speaks (the episode's
+state travels as JSON with every call, so any replica answers). :func:`deploy_environment` runs it as the Serve
 application ``inflight-env-<name>`` at route prefix ``/env/<name>`` of the cluster's Serve HTTP proxy (the pool
 has ``/``; the longest prefix wins, so both live on one port) and returns its URL; :func:`shutdown_environment`
 removes it. :func:`serve_environment_main` is ``inflight env serve module:Class --port 8300``: uvicorn in the
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 from ray import serve
 
-from rollout.environment import AsyncEnvironment, Environment, EnvStep, Message, Turn
+from rollout.episodes.environment import AsyncEnvironment, Environment, EnvStep, Message, Turn
 
 APP_PREFIX = "inflight-env-"
 """Serve application name of environment ``<name>``: ``inflight-env-<name>``."""
@@ -70,7 +70,7 @@ def environment_app(env: Environment[Any] | AsyncEnvironment[Any], name: str) ->
     for method in ("reset", "step"):
         if not callable(getattr(env, method, None)):
             raise TypeError(f"environment {name!r}: {type(env).__name__} has no method {method}(); see "
-                            f"rollout.environment.Environment")
+                            f"rollout.episodes.environment.Environment")
     app = FastAPI(title=f"Inflight environment {name!r}", version="1", docs_url=None, redoc_url=None,
                   openapi_url=None)  # no API pages: /docs loads scripts from a CDN (docs/security.md)
 
@@ -144,7 +144,7 @@ def _short(value: object, limit: int = 120) -> str:
 def build_environment_object(environment_path: str, kwargs: dict[str, Any] | None, name: str) -> Any:
     """An instance of the class at ``environment_path`` (a registered name, ``module:Class`` or
     ``file.py:Class``) made with ``kwargs``; a ``ValueError`` that names the environment otherwise."""
-    from rollout.env_registry import load_environment_class
+    from rollout.episodes.env_registry import load_environment_class
 
     cls = load_environment_class(environment_path)
     try:
@@ -185,13 +185,13 @@ def deploy_environment(name: str, environment_path: str, kwargs: dict[str, Any] 
     """Deploy (or update) the environment class at ``environment_path`` built with ``kwargs`` as the Serve
     application ``inflight-env-<name>`` with ``num_replicas`` replicas at ``route_prefix`` (default
     ``/env/<name>``) on the connected Ray cluster; wait until ``/healthz`` answers through the proxy and return
-    the URL to give :class:`~rollout.env_http.HttpEnvironment` (``env.<name>.url``). ``http_host`` /
+    the URL to give :class:`~rollout.episodes.env_http.HttpEnvironment` (``env.<name>.url``). ``http_host`` /
     ``http_port`` (0: a free port) apply only when Serve is not running yet; otherwise its proxy is used as is.
     A server that does not start is removed and :class:`EnvironmentDeployError` says why."""
     import httpx
 
-    from rollout.env_registry import load_environment_class
-    from services.cluster import free_port
+    from rollout.episodes.env_registry import load_environment_class
+    from services.cluster.head import free_port
     from services.pool.startup import reason
 
     if not (isinstance(name, str) and NAME_PATTERN.match(name)):

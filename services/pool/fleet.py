@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from services.gpu_layout import PlacementError, colocated_on_gpus
 from services.pool.engine_table import STATES, EngineTable
 from services.pool.metrics import PoolMetrics
 from services.pool.placement import colocation_group
@@ -33,11 +32,12 @@ from services.pool.startup import (
     engine_name,
     reason,
 )
+from services.recipe.gpu_layout import PlacementError, colocated_on_gpus
 from services.refit.port import KeptPush
 from services.refit.result import RefitError, describe, failure_reason
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.pool")
 EngineHandle = Any

@@ -6,7 +6,7 @@ Colocated on GPUs: the pool reserves one whole-GPU bundle per cluster GPU
 in a named, detached placement group (:func:`colocation_group`) that the
 learner job attaching to it places its ranks in too; engine ``i`` owns slots
 ``k*i .. k*i+k-1`` (:func:`engine_options`). The slot math and the learner's
-side are in :mod:`services.gpu_layout`; the whole picture is in
+side are in :mod:`services.recipe.gpu_layout`; the whole picture is in
 docs/architecture.md, "Placement".
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from services.gpu_layout import (
+from services.recipe.gpu_layout import (
     COLOCATED_SHARE,
     PlacementError,
     bundle_nodes,
@@ -26,7 +26,7 @@ from services.gpu_layout import (
 )
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 GROUP_READY_TIMEOUT_S = 120.0
 """How long the pool waits for the cluster to grant the colocation group's GPUs."""

@@ -15,12 +15,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from services.gpu_layout import check_pool_fits, gpu_census, pool_gpus_per_engine
 from services.pool.engine_actor import EngineActor, EngineSpec
 from services.pool.placement import colocation_group_name, engine_options
+from services.recipe.gpu_layout import check_pool_fits, gpu_census, pool_gpus_per_engine
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 BOOT_TIMEOUT_S = 600.0
 """Longest one engine may take to answer and start its vLLM engine."""

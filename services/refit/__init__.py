@@ -16,17 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from services.refit.collective import CollectiveRefit
 from services.refit.cuda_ipc import CudaIpcRefit
+from services.refit.learner_port import LearnerPort
 from services.refit.object_store import ObjectStoreRefit
 from services.refit.result import RefitError, RefitResult
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 TRANSPORTS = {"object_store": ObjectStoreRefit, "collective": CollectiveRefit, "cuda_ipc": CudaIpcRefit}
 
 __all__ = ["CollectiveRefit", "CudaIpcRefit", "ObjectStoreRefit", "RefitError", "RefitResult", "make_refit"]
 
 
-def make_refit(recipe: Recipe, pool: Any, learner: Any) -> ObjectStoreRefit | CollectiveRefit | CudaIpcRefit:
+def make_refit(recipe: Recipe, pool: Any, learner: LearnerPort) -> ObjectStoreRefit | CollectiveRefit | CudaIpcRefit:
     """The learner's side of the transport ``recipe.policy.refit_transport`` names."""
     return TRANSPORTS[recipe.policy.refit_transport](recipe, pool, learner)

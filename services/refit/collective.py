@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.refit.learner_port import LearnerPort
 from services.refit.port import PoolPort, engine_failures, fold_installs
 from services.refit.result import GroupInstall, RefitResult
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.refit")
 CALL_TIMEOUT_S = 10.0
@@ -42,7 +43,7 @@ class GroupPlan:
 class CollectiveRefit:
     """The learner's side: buckets broadcast from rank 0's device to every engine worker over one weight group."""
 
-    def __init__(self, recipe: Recipe, pool: Any, learner: Any):
+    def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
         self.pool, self.learner = pool, learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         self.timeout_s = recipe.policy.refit_timeout_s
@@ -53,23 +54,23 @@ class CollectiveRefit:
         if not self._group_ok or not self.pool.weight_group_current.remote().result(timeout_s=60):
             self._form_group()
             reset = True  # members that joined may hold any version
-        self.learner.call("stage_weights")
+        self.learner.stage_weights()
         installing = self.pool.install_group_push.remote(reset, self.timeout_s)
         try:
-            sent = self.learner.call("send_staged", self.bucket_bytes)
+            sent = self.learner.send_staged(self.bucket_bytes)
             out = installing.result(timeout_s=self.timeout_s + 60)
         except Exception:
             self._group_ok = False  # re-formed before the next attempt
             _settle(installing, self.timeout_s + 60)  # the pool has dropped the group before we retry
             raise
-        return dataclasses.replace(out, send_seconds=sent["seconds"], groups_formed=self.groups_formed)
+        return dataclasses.replace(out, send_seconds=sent.seconds, groups_formed=self.groups_formed)
 
     def _form_group(self) -> None:
         plan = self.pool.weight_group_plan.remote(self.timeout_s).result(timeout_s=self.timeout_s + 60)
-        host, port = self.learner.call("weight_group_address")
-        joining = self.learner.call_async("join_weight_group", host, port, plan.world_size, self.timeout_s)
+        host, port = self.learner.weight_group_address()
+        joining = self.learner.join_weight_group(host, port, plan.world_size, self.timeout_s)
         self.pool.join_weight_group.remote(host, port, plan, self.timeout_s).result(timeout_s=self.timeout_s + 90)
-        self.learner.wait(joining, "join_weight_group")
+        joining.wait()
         self._group_ok = True
         self.groups_formed += 1
         log.info("weight group %s:%d formed: %d engines, world size %d", host, port, len(plan.ranks),

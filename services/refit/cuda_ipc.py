@@ -27,12 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.refit.learner_port import LearnerPort
 from services.refit.object_store import ObjectStoreRefit
 from services.refit.port import PoolPort, engine_failures, fold_installs
 from services.refit.result import GroupInstall, RefitResult
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.refit")
 CALL_TIMEOUT_S = 30.0
@@ -68,7 +69,7 @@ class IpcPlan:
 class CudaIpcRefit:
     """The learner's side: rank 0 shares its GPU buckets with the engine on its GPU, else the object store."""
 
-    def __init__(self, recipe: Recipe, pool: Any, learner: Any):
+    def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
         self.pool, self.learner = pool, learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         self.timeout_s = recipe.policy.refit_timeout_s
@@ -80,7 +81,7 @@ class CudaIpcRefit:
 
     def push(self, reset: bool) -> RefitResult:
         if self._gpu is None:
-            self._gpu = str(self.learner.call("gpu_uuid") or "")
+            self._gpu = self.learner.gpu_uuid()
         plan: IpcPlan = self.pool.ipc_plan.remote(self._gpu).result(timeout_s=CALL_TIMEOUT_S + 30)
         if why := plan.refusal():
             if why != self._fallback_reason:
@@ -89,15 +90,16 @@ class CudaIpcRefit:
             self.last_transport = "object_store"
             return self.fallback.push(reset)
         started = time.perf_counter()
-        manifest_bytes, shares = self.learner.call("export_ipc", self.bucket_bytes)
-        exported = time.perf_counter() - started
+        exported = self.learner.export_ipc(self.bucket_bytes)
+        export_seconds = time.perf_counter() - started
         try:
-            out: RefitResult = self.pool.install_ipc_push.remote(manifest_bytes, shares, self._gpu, reset,
-                                                                 self.timeout_s).result(timeout_s=self.timeout_s + 60)
+            out: RefitResult = self.pool.install_ipc_push.remote(exported.manifest_bytes, exported.shares, self._gpu,
+                                                                 reset, self.timeout_s).result(
+                                                                     timeout_s=self.timeout_s + 60)
         finally:
-            self.learner.call("release_ipc")  # every engine has answered, or given up: nothing maps them now
+            self.learner.release_ipc()  # every engine has answered, or given up: nothing maps them now
         self.last_transport, self._fallback_reason = "cuda_ipc", ""
-        return dataclasses.replace(out, send_seconds=exported)
+        return dataclasses.replace(out, send_seconds=export_seconds)
 
     def engines_waiting(self) -> bool:
         """True if an engine is up without the current weights (restarted after a CUDA IPC push, of which the

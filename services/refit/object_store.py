@@ -16,11 +16,12 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import WeightManifest, decode
+from services.refit.learner_port import LearnerPort
 from services.refit.port import KeptPush, PoolPort, land, record_install_metrics
 from services.refit.result import GroupInstall, RefitResult, engine_gone, slowest
 
 if TYPE_CHECKING:
-    from services.config import Recipe
+    from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.refit")
 STATS_TIMEOUT_S = 10.0
@@ -30,15 +31,16 @@ STATS_TIMEOUT_S = 10.0
 class ObjectStoreRefit:
     """The learner's side: buckets through the Ray object store (the pool keeps them for engines that restart)."""
 
-    def __init__(self, recipe: Recipe, pool: Any, learner: Any):
+    def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
         self.pool, self.learner = pool, learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         # the pool waits up to refit_timeout_s for an engine, again for the buckets, again for the engines
         self.timeout_s = 3 * recipe.policy.refit_timeout_s + 60
 
     def push(self, reset: bool) -> RefitResult:
-        manifest, refs = self.learner.call("export_weights", self.bucket_bytes)
-        return self.pool.push.remote(manifest, refs, reset).result(timeout_s=self.timeout_s)
+        exported = self.learner.export_weights(self.bucket_bytes)
+        return self.pool.push.remote(exported.manifest_bytes, exported.bucket_refs, reset).result(
+            timeout_s=self.timeout_s)
 
     def engines_waiting(self) -> bool:
         """The pool reinstalls its latest push on restarted engines itself: none ever wait for the learner."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
-from services.cluster import free_port
+from services.cluster.head import free_port
 
 
 def become_rank(rank: int, world: int, port: int) -> None:

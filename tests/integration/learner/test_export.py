@@ -13,22 +13,12 @@ from learner_batches import groups, hf_response_logprobs, load_hf, make_learner,
 ATOL = 1e-4
 
 
-class InProcess:
-    """A :class:`~services.job.learner_actor.LearnerGroup` stand-in that calls one in-process learner."""
-
-    def __init__(self, learner):
-        self.learner = learner
-
-    def call(self, method: str, *args):
-        return getattr(self.learner, method)(*args)
-
-
 @pytest.fixture(scope="module")
 def trained_run(tiny_model_dir, tmp_path_factory):
     """A run directory (recipe.yaml + step_000001 saved with save_hf) of one large-lr step on the tiny Qwen2, and
     the learner's log-probs of fixed sequences after it."""
-    from services.config import load_recipe
-    from services.export import save_run_recipe
+    from services.recipe.config import load_recipe
+    from services.offline.export import save_run_recipe
     from services.job.checkpoints import Checkpoints, JobState
     from services.job.prompt_book import BookState
 
@@ -42,7 +32,7 @@ def trained_run(tiny_model_dir, tmp_path_factory):
     trained = learner.logprobs(prompts, responses)
     assert max(np.abs(a - b).max() for a, b in zip(initial, trained, strict=True)) > 1e-2  # the step moved the weights
     state = JobState(1, BookState({}, {}, [], [], {}), [])
-    ckpt = Checkpoints(recipe.checkpointing, run_dir).save(InProcess(learner), state)  # type: ignore[arg-type]
+    ckpt = Checkpoints(recipe.checkpointing, run_dir).save(learner, state)  # type: ignore[arg-type] - an in-process learner saves as rank 0 does
     learner.shutdown()
     return run_dir, ckpt, prompts, responses, np.concatenate(trained)
 
@@ -50,8 +40,8 @@ def trained_run(tiny_model_dir, tmp_path_factory):
 def test_exported_model_loads_in_transformers_and_vllm_with_the_learners_logprobs(trained_run, tmp_path):
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
-    from services.export import export
+    from rollout.rewards.registry import get_reward_fn
+    from services.offline.export import export
 
     run_dir, ckpt, prompts, responses, expected = trained_run
     lines: list[str] = []
@@ -116,7 +106,7 @@ def test_export_refuses_a_pickled_payload_in_a_rank_file_without_running_it(trai
     naming the file, and the payload does not run (before: ``torch.load(weights_only=False)`` ran it)."""
     import torch
 
-    from services.export import ExportError, export
+    from services.offline.export import ExportError, export
 
     run_dir, ckpt = copied_run(trained_run, tmp_path)
     marker = tmp_path / "ran"
@@ -132,7 +122,7 @@ def test_export_refuses_a_pickled_payload_in_a_rank_file_without_running_it(trai
 def test_export_with_a_recipe_edited_to_another_model_is_one_line_naming_the_mismatch(trained_run, family_models,
                                                                                       tmp_path):
     """Issue 32.6: ``recipe.yaml`` edited to another architecture (Qwen3 for a Qwen2 run)."""
-    from services.export import ExportError, export
+    from services.offline.export import ExportError, export
 
     run_dir, ckpt = copied_run(trained_run, tmp_path)
     recipe = run_dir / "recipe.yaml"

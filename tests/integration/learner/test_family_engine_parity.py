@@ -40,8 +40,8 @@ def test_engine_serves_the_learners_logprobs_after_a_push(frozen_learners, famil
     from learner.hf_weights import export_hf_state_dict, pack_hf_buckets
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
-    from services.config_logging import LoggerConfig
+    from rollout.rewards.registry import get_reward_fn
+    from services.recipe.logger import LoggerConfig
     from services.job.parity import ParityError, check_parity, parity_stats
 
     _, learner = frozen_learners[family]

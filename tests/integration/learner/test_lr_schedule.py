@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from learner_batches import groups
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 
 
 def test_linear_decay_without_decay_steps_reaches_min_lr_at_the_last_step(tiny_model_dir):

@@ -23,7 +23,7 @@ SIZES = [(96, 72), (56, 120), (140, 60), None, (64, 64)]
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    from services.tiny_vlm import make_tiny_vlm
+    from services.models.tiny_vlm import make_tiny_vlm
     return str(make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), seed=0))
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from rollout.config import GenerationConfig, VllmConfig, VllmKwargs
 from rollout.engine import RolloutEngine
-from rollout.rewards import get_reward_fn
+from rollout.rewards.registry import get_reward_fn
 from rollout_engine_helpers import HARNESS_VLLM_KWARGS
 
 MAX_MODEL_LEN = 512

@@ -1,7 +1,7 @@
 """Weight pushes over a collective group (gloo on CPU) into the real vLLM engine's worker.
 
 This process plays the learner (rank 0 of a :class:`WeightTransferGroup`); the
-engine's worker joins as rank 1 through ``rollout.collective_receiver`` and
+engine's worker joins as rank 1 through ``rollout.install.collective_receiver`` and
 installs what it receives with ``reload_weights``.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from protocol.weight_transfer import WeightTransferGroup
 from rollout.tasks import make_prompts
-from rollout.weight_receiver import WeightUpdateError
-from services.cluster import free_port
+from rollout.install.weight_receiver import WeightUpdateError
+from services.cluster.head import free_port
 
 from model_weights import model_tensors
 from rollout_engine_helpers import GROUP_SIZE

@@ -3,7 +3,7 @@
 The test process plays the learner: it holds the model's tensors on the GPU and
 exports them with :class:`learner.ipc_export.IpcExporter`; the engine's worker
 (in vLLM's engine-core child process) maps the buckets, checks them on the
-device and installs them (``rollout/ipc_receiver.py``). Checked here:
+device and installs them (``rollout/install/ipc_receiver.py``). Checked here:
 
 - dense (tiny Qwen2, bf16): after an IPC push of scaled weights the engine's
   log-probs of fixed sequences equal those after an object-store push of the same
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 def _engine(model_dir: str, **vllm):
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
+    from rollout.rewards.registry import get_reward_fn
 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process touches CUDA: no fork
     generation = GenerationConfig(max_new_tokens=24, request_timeout_s=300.0, max_retries=0,
@@ -101,8 +101,8 @@ class _Run:
 
 
 def test_dense_ipc_pushes_are_correct_restore_bit_for_bit_and_reject_a_changed_bucket(tmp_path):
-    from rollout.weight_receiver import WeightUpdateError
-    from services.tiny_model import make_tiny_model
+    from rollout.install.weight_receiver import WeightUpdateError
+    from services.models.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "dense", arch="qwen2", size="small", dtype="bfloat16"))
     r = _Run(_engine(model_dir))
@@ -132,7 +132,7 @@ def test_dense_ipc_pushes_are_correct_restore_bit_for_bit_and_reject_a_changed_b
 
 
 def test_moe_ipc_push_catches_the_wrong_plain_load_path_and_reloads(tmp_path):
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", size="small", dtype="bfloat16"))
     r = _Run(_engine(model_dir, moe_backend=os.environ.get("INFLIGHT_TEST_MOE_BACKEND", "flashinfer_cutlass")))

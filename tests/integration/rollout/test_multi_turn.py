@@ -14,8 +14,8 @@ import numpy as np
 from learner.batch import collect
 from learner.config import TrainStepConfig
 from protocol import TrajectoryGroup, decode, encode
-from rollout.chat_turns import ChatTurns
-from rollout.environment import EnvStep, Message, Turn, as_async
+from rollout.episodes.chat_turns import ChatTurns
+from rollout.episodes.environment import EnvStep, Message, Turn, as_async
 from rollout.tasks import make_prompts
 
 from rollout_engine_helpers import push_model

@@ -3,7 +3,7 @@
 Three engine starts in all: the dense hybrid (``M-M*-``) and the MoE hybrid (``ME*ME``, squared-ReLU experts
 served by ``rollout.cpu_moe_plugin``) against float32 transformers with its prefill dt clamp lifted; pushes of
 other weights checked against a freshly loaded engine on those weights, over both install paths (staged
-``reload_weights`` and a weight group through ``rollout.direct_load``).
+``reload_weights`` and a weight group through ``rollout.install.direct_load``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from protocol import PromptRequest, pack_buckets
 from rollout.config import GenerationConfig, VllmConfig
 from rollout.engine import RolloutEngine
-from rollout.rewards import get_reward_fn
+from rollout.rewards.registry import get_reward_fn
 
 from model_weights import model_tensors
 
@@ -62,7 +62,7 @@ def started(model_dir: str):
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
     """``hybrids(arch, seed)``: a tiny Nemotron-H model directory, built once."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     @functools.cache
     def get(arch: str, seed: int) -> str:
@@ -138,7 +138,7 @@ def _request(h: Harness, prompt_ids: list[int]) -> PromptRequest:
 def test_moe_hybrid_matches_transformers_and_installs_equal_a_fresh_engine(hybrids):
     """The MoE model (relu2 experts through the plugin) against transformers; then an engine started on seed 1
     takes seed 0's weights through ``install`` (reload_weights) and must give what an engine freshly loaded
-    with seed 0 gave; and seed 1's back over a weight group (rollout.direct_load's checked install) what it
+    with seed 0 gave; and seed 1's back over a weight group (rollout.install.direct_load's checked install) what it
     gave fresh."""
     from test_collective_push import Sender, _torch_tensors
 

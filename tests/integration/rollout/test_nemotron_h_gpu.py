@@ -87,7 +87,7 @@ class Serving:
     def __init__(self, model_dir: str, engine_id: str):
         from rollout.config import GenerationConfig, VllmConfig
         from rollout.engine import RolloutEngine
-        from rollout.rewards import get_reward_fn
+        from rollout.rewards.registry import get_reward_fn
 
         generation = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, request_timeout_s=300.0, max_retries=0,
                                       vllm_cfg=VllmConfig(enforce_eager=False, precision="bfloat16", seed=0,
@@ -150,7 +150,7 @@ def _vs_checkpoint(served: dict[str, np.ndarray], checkpoint: dict) -> dict[str,
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe"])
 def test_a_push_into_a_running_engine_equals_a_freshly_started_one(tmp_path, arch):
-    from services.tiny_model import HYBRID_PATTERNS, make_tiny_model
+    from services.models.tiny_model import HYBRID_PATTERNS, make_tiny_model
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test run its readers and plain load on the worker
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from protocol import pack_buckets
-from rollout.rewards import RewardFailure
+from rollout.rewards.registry import RewardFailure
 from rollout.tasks import make_prompts
-from rollout.weight_receiver import WeightUpdateError
+from rollout.install.weight_receiver import WeightUpdateError
 
 from model_weights import model_tensors
 from rollout_engine_helpers import GROUP_SIZE, push_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.config import Recipe, load_recipe
+from services.recipe.config import Recipe, load_recipe
 
 POOL_NAME = "inflight-data-pool"
 POOL_OVERRIDES = (
@@ -36,14 +36,13 @@ class RecordingLearner:
         self.learner = learner
         self.batches: list[list] = []
 
-    def call(self, method: str, *args):
-        if method == "train_step":
-            import ray
+    def train_step(self, group_refs: list, images: dict | None = None) -> dict:
+        import ray
 
-            from protocol import TrajectoryGroup, decode
+        from protocol import TrajectoryGroup, decode
 
-            self.batches.append([decode(ray.get(ref), expect=TrajectoryGroup) for ref in args[0]])
-        return self.learner.call(method, *args)
+        self.batches.append([decode(ray.get(ref), expect=TrajectoryGroup) for ref in group_refs])
+        return self.learner.train_step(group_refs, images)
 
     def __getattr__(self, name: str):
         return getattr(self.learner, name)
@@ -56,7 +55,7 @@ def run_recorded_async(recipe: Recipe, run_dir: Path):
     from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     model_path = resolve_model(recipe.policy.model_name)
     learner = LearnerGroup(recipe, model_path)

@@ -45,7 +45,7 @@ def run(recipe, handle, files, run_dir: Path, out: dict, key: str) -> None:
     from services.job.learner_actor import LearnerGroup
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
-    from services.model_files import ensure_local
+    from services.models.files import ensure_local
 
     learner = LearnerGroup(recipe, files)
     try:
@@ -68,10 +68,10 @@ def main(out_path: str) -> None:
     from ray.cluster_utils import Cluster
 
     from services import pool as pool_api
-    from services.config import load_recipe
+    from services.recipe.config import load_recipe
     from services.job.learner_actor import LearnerGroup
-    from services.model_files import share
-    from services.model_source import resolve_model
+    from services.models.files import share
+    from services.models.source import resolve_model
 
     out: dict = {}
     t0 = time.monotonic()

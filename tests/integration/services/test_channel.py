@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from protocol import Trajectory, TrajectoryGroup, decode, encode
-from services.channel import ChannelClosed, ChannelTimeout, TrajectoryChannel
+from services.job.channel import ChannelClosed, ChannelTimeout, TrajectoryChannel
 
 GROUP_SIZE = 16
 PROMPT_TOKENS = 256

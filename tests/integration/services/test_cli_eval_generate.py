@@ -1,7 +1,7 @@
 """`inflight eval` and `inflight generate` as a user calls them (issue 33, item 8): subprocesses on a tiny exported
 model through real vLLM on CPU, one engine start each. eval scores the recipe's validation set (tiny-cpu.yaml:
 the built-in task's validation prompts) with its reward and writes the JSON file it names; generate prints the
-answers to prompts read from stdin; on a run directory, eval exports the checkpoint (services/export.py, in the
+answers to prompts read from stdin; on a run directory, eval exports the checkpoint (services/offline/export.py, in the
 command's process, before vLLM starts there) into RUN_DIR/exports and scores it."""
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from services.config import RECIPES_DIR
+from services.recipe.config import RECIPES_DIR
 
 PROMPTS = 4
 SAVE_CHECKPOINT = """
 import sys
 from pathlib import Path
 from learner.trainer import Learner
-from services.config import load_recipe
-from services.export import save_run_recipe
+from services.recipe.config import load_recipe
+from services.offline.export import save_run_recipe
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.learner_actor import LearnerSpec
 from services.job.prompt_book import BookState
@@ -33,11 +33,7 @@ s = LearnerSpec.of(recipe, model)
 learner = Learner(str(s.model), s.megatron, s.loss, s.packing, s.max_total_sequence_length,
                   normalize_rewards=s.normalize_rewards, seed=s.seed, step_config=s.step_config)
 
-class InProcess:
-    def call(self, method, *args):
-        return getattr(learner, method)(*args)
-
-Checkpoints(recipe.checkpointing, Path(run_dir)).save(InProcess(), JobState(3, BookState({}, {}, [], [], {}), []))
+Checkpoints(recipe.checkpointing, Path(run_dir)).save(learner, JobState(3, BookState({}, {}, [], [], {}), []))
 learner.shutdown()
 """
 """A run directory as a learner job leaves it: recipe.yaml and the checkpoint of step 3 (the initial weights)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 FAILING_RESETS = 4
 ENV_FILE = f'''
 import threading
-from rollout.envs.letter_relay import LetterRelay
+from rollout.episodes.envs.letter_relay import LetterRelay
 
 class Picky(LetterRelay):
     """The letter relay, whose first {FAILING_RESETS} resets (of this engine's instance) raise KeyError."""

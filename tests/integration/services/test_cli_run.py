@@ -23,7 +23,7 @@ MAX_CONSOLE_LINES = 40
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"]
 ENGINE_ONLY_REWARD = """import sys
 
-# Imports in the command (its recipe check passes: services.recipe_checks) but not in the engines, as a package
+# Imports in the command (its recipe check passes: services.preflight.checks) but not in the engines, as a package
 # installed where the command runs and missing where the engines run.
 if not sys.argv[0].endswith("cli.py"):
     raise ModuleNotFoundError("No module named 'no_such_reward_module'")

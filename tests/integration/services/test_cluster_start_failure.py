@@ -20,7 +20,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[3]
 CLI = """
 import sys
-from services import cluster
+from services.cluster import head as cluster
 real, picks = cluster.free_port, iter([None, int(sys.argv[1])])   # ensure_cluster: GCS, dashboard, agent
 cluster.free_port = lambda: next(picks, None) or real()
 from services.cli import main

@@ -33,7 +33,7 @@ def _write(fmt: str, tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def learner(data_pool):
     from services.job.learner_actor import LearnerGroup
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     model_path = resolve_model(data_pool.policy.model_name)
     group = LearnerGroup(data_pool, model_path)

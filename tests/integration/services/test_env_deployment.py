@@ -1,5 +1,5 @@
 """An environment deployed as its own Ray Serve application (``inflight-env-<name>`` at ``/env/<name>``, beside
-the pool's ``/``), played through :class:`~rollout.env_http.HttpEnvironment` at the URL the deploy returns, with
+the pool's ``/``), played through :class:`~rollout.episodes.env_http.HttpEnvironment` at the URL the deploy returns, with
 episodes spread over two replicas (the state travels with each call); then removed. A class that cannot be built
 fails the deploy with its reason and leaves no application."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 ENV_FILE = '''
 import re
-from rollout.environment import EnvStep, Message
+from rollout.episodes.environment import EnvStep, Message
 
 class GuessNumber:
     def __init__(self, guesses):
@@ -44,7 +44,7 @@ async def bisect(env, secret: int) -> float | None:
 
 
 def _turn(text: str):
-    from rollout.environment import Turn
+    from rollout.episodes.environment import Turn
 
     return Turn(text)
 
@@ -52,7 +52,7 @@ def _turn(text: str):
 def test_an_environment_server_deploys_serves_through_its_url_and_goes(ray_cluster, tmp_path):
     from ray import serve
 
-    from rollout.env_http import EnvironmentCallError, HttpEnvironment
+    from rollout.episodes.env_http import EnvironmentCallError, HttpEnvironment
     from services.pool.env_server import app_name, deploy_environment, shutdown_environment
 
     path = tmp_path / "guess_env.py"
@@ -100,7 +100,7 @@ def test_an_environment_that_cannot_be_built_fails_the_deploy_and_leaves_nothing
 
 def test_an_environment_server_lives_beside_the_pool_on_one_proxy(data_pool, tmp_path):
     """The pool has route prefix "/"; ``/env/<name>`` is longer, so the proxy sends each its own requests."""
-    from rollout.env_http import HttpEnvironment
+    from rollout.episodes.env_http import HttpEnvironment
     from services.pool.env_server import deploy_environment, shutdown_environment
 
     path = tmp_path / "guess_env.py"

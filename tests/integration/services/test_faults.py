@@ -131,7 +131,7 @@ def test_bad_weight_pushes_are_rejected_and_the_old_version_keeps_serving(pool):
     import ray
 
     from protocol import WeightBucket, decode, encode, pack_buckets
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
     from services.refit import RefitError
 
     recipe, handle, url = pool
@@ -207,7 +207,7 @@ def _engine_vs_learner(engine_id: str, learner) -> float:
 
     prompts, responses = [[11, 12, 13], [21, 22]], [[14, 15, 16, 17], [23, 24, 25]]
     engine = ray.get(ray.get_actor(engine_id, namespace="inflight").logprobs_of.remote(prompts, responses), timeout=120)
-    mine = learner.call("logprobs", prompts, responses)
+    mine = learner.logprobs(prompts, responses)
     return max(float(np.abs(np.subtract(e, m)).max()) for e, m in zip(engine, mine))
 
 
@@ -217,7 +217,7 @@ def test_a_wrong_install_on_one_of_two_engines_is_caught_by_the_probe_and_repair
     installed since it was last probed), fail, push again and leave both engines serving the learner's weights."""
     from services.job.learner_job import LearnerJob
     from services.job.learner_actor import LearnerGroup
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     recipe, handle, _ = pool
     run_recipe = tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=1", "checkpointing.enabled=false")
@@ -272,11 +272,10 @@ def test_corrupted_messages_in_the_channel_are_rejected_and_counted(pool, tmp_pa
     recipe, handle, url = pool
 
     class VersionOnlyLearner:  # _receive never trains; the job only asks the learner for its version
-        def call(self, method, *args):
-            assert method == "version", method
+        def version(self) -> int:
             return 0
 
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     job = LearnerJob(recipe, resolve_model(recipe.policy.model_name), handle, VersionOnlyLearner(), tmp_path,
                      resume=False)
@@ -352,7 +351,7 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
     the undelivered prompts with a reason, replaces them and trains the step."""
     from services.job.learner_job import LearnerJob
     from services.job.learner_actor import LearnerGroup
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     recipe, handle, url = pool
     capacity = 1
@@ -511,7 +510,7 @@ def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> t
     ledger summary and the killed engine's final state."""
     from services.job.learner_job import LearnerJob
     from services.job.learner_actor import LearnerGroup
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     recipe, handle, url = pool
     run_recipe = tiny_recipe(*POOL_OVERRIDES, f"grpo.max_num_steps={MAX_STEPS}", "checkpointing.enabled=false",

@@ -7,7 +7,7 @@ pushes with vLLM's layerwise ``reload_weights`` (which does that); a plain
 different weights than the learner's. This test installs the learner's
 weights both ways on one engine and checks that the job's parity check
 (:func:`services.job.parity.check_parity`) passes the first and stops the second,
-and that the engine's direct-load guard (:mod:`rollout.direct_load`) refuses
+and that the engine's direct-load guard (:mod:`rollout.install.direct_load`) refuses
 plain ``load_weights`` for this model and leaves the right weights installed.
 
 One process, one GPU: the engine starts before this process touches CUDA
@@ -36,9 +36,9 @@ def _plain_load_weights(weights):
 
 
 def _direct_load_check(weights):
-    """The engine's own guard (rollout.direct_load) run on the worker: plain load vs reload, then reload."""
+    """The engine's own guard (rollout.install.direct_load) run on the worker: plain load vs reload, then reload."""
     def check(worker):
-        from rollout.direct_load import DirectLoad, worker_kv_caches
+        from rollout.install.direct_load import DirectLoad, worker_kv_caches
         direct = DirectLoad()
         path = direct.install(worker.model_runner.get_model(), lambda: iter(weights),
                               lambda w: worker.reload_weights(weights_iterator=w), ignore=worker_kv_caches(worker))
@@ -50,10 +50,10 @@ def _direct_load_check(weights):
 def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_path):
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
+    from rollout.rewards.registry import get_reward_fn
     from rollout.tasks import make_prompts
     from services.job.parity import ParityError, check_parity, parity_stats
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the test send the wrong loader to the worker
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"   # pytest's process has touched CUDA: no fork

@@ -36,7 +36,7 @@ def attached_job(recipe, run_dir):
     from services.app import deploy_pool
     from services.job.learner_job import LearnerJob
     from services.job.learner_actor import LearnerGroup
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     deploy_pool(recipe, run_dir)
     learner = job = None

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services import cluster
+from services.cluster import head as cluster
 
 ROOT = Path(__file__).resolve().parents[3]
 README_SECTION = "## Deploy a pool, attach a learner"
@@ -63,7 +63,7 @@ def home(tmp_path, monkeypatch):
 
 def head_processes(temp_dir: str, home: Path) -> list[psutil.Process]:
     """Every process of the head node: those naming its temp dir or running with its HOME, and all their
-    descendants (walked here through parent PIDs, independently of ``services.cluster_procs``)."""
+    descendants (walked here through parent PIDs, independently of ``services.cluster.procs``)."""
     procs, children = {}, {}
     for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
         children.setdefault(p.info["ppid"], []).append(p)
@@ -136,7 +136,7 @@ def _bash(cmd: str, env: dict[str, str], cwd: Path, timeout: float) -> subproces
 
 
 def test_readme_deploy_attach_shutdown(home, tmp_path):
-    from services.cluster import free_port
+    from services.cluster.head import free_port
 
     work = tmp_path / "work"
     work.mkdir()
@@ -201,7 +201,7 @@ def _no_token_client_gets_one_line(address: str, tmp_path: Path, env: dict[str, 
 
 DRIVER = """
 import sys, ray
-from services import ray_runtime
+from services.cluster import ray_runtime
 ray_runtime.connect(sys.argv[1])
 
 @ray.remote

@@ -14,8 +14,8 @@ SCRIPT = r"""
 import json, sys, tempfile, time
 from pathlib import Path
 import ray
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import PlacementError
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import PlacementError
 from services.job.learner_actor import LearnerGroup
 
 model = Path(tempfile.mkdtemp(prefix="plg-model-"))

@@ -8,8 +8,8 @@ COLOCATED_2GPU = ["cluster.gpus_per_node=2", "rollout_pool.num_engines=2"]
 PLACE_SCRIPT = r"""
 import json, sys, tempfile
 import ray
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import learner_options
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import learner_options
 from services.pool.placement import colocation_group, engine_options
 
 recipe = load_recipe(RECIPES_DIR / "gpu-1xh200-sync.yaml", sys.argv[1:])
@@ -56,8 +56,8 @@ import json, os
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import learner_options
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import learner_options
 from services.pool.placement import colocation_group, engine_options
 
 recipe = load_recipe(RECIPES_DIR / "grpo-8gpu-sync-colocated.yaml", ["cluster.num_nodes=2", "cluster.gpus_per_node=4"])

@@ -1,6 +1,6 @@
 """Async on one GPU on real Ray with one declared GPU (issue 21, item 3): with ``rollout_pool.share_gpu`` the pool's
 engine and the learner's rank, made with the real option builders (:func:`services.pool.placement.engine_options`,
-:func:`services.gpu_layout.learner_options`), both get placed on the GPU after the same checks the pool's start-up
+:func:`services.recipe.gpu_layout.learner_options`), both get placed on the GPU after the same checks the pool's start-up
 and the learner job run; without it (the two-GPU async recipe) the pool's check and, once the engine holds the GPU,
 the learner's check fail at once naming the GPUs asked for and free. vLLM cannot start on a declared GPU, so both
 are stand-in actors (in a subprocess: the session's Ray has no GPUs)."""
@@ -16,8 +16,8 @@ from pathlib import Path
 SCRIPT = r"""
 import json, tempfile, time
 import ray
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import PlacementError, check_learner_fits, check_pool_fits, gpu_census, learner_options
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import PlacementError, check_learner_fits, check_pool_fits, gpu_census, learner_options
 from services.job.learner_actor import wait_placed
 from services.pool.placement import engine_options
 

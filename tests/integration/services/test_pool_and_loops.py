@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 
 TOKEN = "test-admin-token"
 REQUIRED_METRICS = {"inflight_policy_version", "inflight_trajectory_age_steps", "inflight_buffer_groups",
@@ -257,12 +257,11 @@ class PoisonedSteps:
     def __init__(self, learner, calls: set[int]):
         self.learner, self.calls, self.train_calls = learner, calls, 0
 
-    def call(self, method: str, *args):
-        if method == "train_step":
-            self.train_calls += 1
-            if self.train_calls in self.calls:
-                args = (self._poisoned(args[0]),)
-        return self.learner.call(method, *args)
+    def train_step(self, group_refs: list, images: dict | None = None) -> dict:
+        self.train_calls += 1
+        if self.train_calls in self.calls:
+            group_refs = self._poisoned(group_refs)
+        return self.learner.train_step(group_refs, images)
 
     def __getattr__(self, name: str):
         return getattr(self.learner, name)
@@ -286,7 +285,7 @@ def _run_poisoned(recipe, run_dir: Path, calls: set[int]):
     from services.job.learner_actor import LearnerGroup
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     model_path = resolve_model(recipe.policy.model_name)
     learner = LearnerGroup(recipe, model_path)

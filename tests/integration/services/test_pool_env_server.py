@@ -62,8 +62,8 @@ def test_environment_server_failures_fail_their_samples_and_the_pool_goes_on(ray
     from protocol import ControlMessage, PromptRequest, TrajectoryGroup, decode, encode
     from services import pool as pool_api
     from services.app import deploy_pool
-    from services.channel import TrajectoryChannel
-    from services.config import load_recipe
+    from services.job.channel import TrajectoryChannel
+    from services.recipe.config import load_recipe
 
     recipe = load_recipe(None, [
         "rollout_pool.name=inflight-env-server-pool", "grpo.num_prompts_per_step=2",

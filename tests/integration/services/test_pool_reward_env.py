@@ -14,7 +14,7 @@ GROUP = 4
 def test_pool_groups_carry_math_verify_components(data_pool):
     from protocol import ControlMessage, PromptRequest, TrajectoryGroup, decode, encode
     from services import pool as pool_api
-    from services.channel import TrajectoryChannel
+    from services.job.channel import TrajectoryChannel
 
     pool = pool_api.connect(data_pool.rollout_pool.name)
     learner_id = f"reward-env-{uuid.uuid4().hex[:8]}"

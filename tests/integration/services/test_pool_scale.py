@@ -130,7 +130,7 @@ def test_scale_1_to_2_to_1_during_an_async_run_loses_no_prompt_and_trains_none_t
 
     from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
     from services.pool.fleet import ScaleRequestError
 
     recipe, handle, url = pool

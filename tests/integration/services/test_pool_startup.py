@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 
 DEADLINE_S = 30.0
 """Before the fix: 120 s (the group's grant timeout) or 900 s (``ready_timeout_s``), and leftovers."""
@@ -75,7 +75,7 @@ import json, sys, tempfile, time
 import ray
 from ray import serve
 from services import pool as pool_api
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.pool.startup import PoolStartError
 sys.path.insert(0, sys.argv[1])
 from test_pool_startup import COLOCATED, leftovers, model_dir

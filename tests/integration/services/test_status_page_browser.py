@@ -45,7 +45,7 @@ def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
     from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
-    from services.model_source import resolve_model
+    from services.models.source import resolve_model
 
     url = f"http://{data_pool.rollout_pool.http_host}:{pool_api.http_port()}"
     data = write_problems(tmp_path / "train.jsonl", 4 * STEPS)

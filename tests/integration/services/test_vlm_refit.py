@@ -21,7 +21,7 @@ SIZES = [(96, 72), (140, 56), (64, 64)]
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    from services.tiny_vlm import make_tiny_vlm
+    from services.models.tiny_vlm import make_tiny_vlm
     return str(make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm-refit"), seed=0))
 
 
@@ -29,7 +29,7 @@ def vlm_dir(tmp_path_factory):
 def engine(vlm_dir):
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
-    from rollout.rewards import get_reward_fn
+    from rollout.rewards.registry import get_reward_fn
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -52,7 +52,7 @@ def prompts(vlm_dir):
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from services.config_data import DataConfig
+    from services.recipe.data import DataConfig
     from services.job.image_prompts import ImagePrompts, image_token_id
     from services.job.prompt_template import PromptTemplate
 
@@ -111,7 +111,7 @@ def test_the_tower_alone_changing_is_seen_by_the_engine(engine, prompts, vlm_dir
     from model_weights import model_tensors
 
     from protocol import pack_buckets
-    from services.tiny_vlm import make_tiny_vlm
+    from services.models.tiny_vlm import make_tiny_vlm
 
     eng, run = engine
     other = make_tiny_vlm(tmp_path / "seed1", seed=1)

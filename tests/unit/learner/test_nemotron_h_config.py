@@ -107,11 +107,11 @@ def test_group_routing_with_every_group_kept_is_accepted():
 
 
 def test_validate_names_the_family_and_its_pattern(tmp_path):
-    """``inflight validate`` (services.model_source.check_model) on a Nemotron-H directory: the family and its
+    """``inflight validate`` (services.models.source.check_model) on a Nemotron-H directory: the family and its
     layer pattern; an unsupported field is refused naming it."""
     import json
 
-    from services.model_source import check_model
+    from services.models.source import check_model
 
     (tmp_path / "config.json").write_text(json.dumps(NANO3))
     line = check_model(str(tmp_path))

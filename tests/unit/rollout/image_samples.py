@@ -14,7 +14,7 @@ from PIL import Image
 from rollout.images import ImageLimits, ImageRules
 
 RULES = ImageRules(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
-"""The tiny VLM's budget (services/tiny_vlm.py): 4 to 16 image tokens."""
+"""The tiny VLM's budget (services/models/tiny_vlm.py): 4 to 16 image tokens."""
 
 
 def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:

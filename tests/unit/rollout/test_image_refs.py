@@ -112,7 +112,7 @@ def test_a_decoders_own_exception_is_the_images_failure(monkeypatch):
 
 
 def test_data_image_roots_reach_the_pool_as_real_paths(data, tmp_path):
-    from services.config_data import DataConfig
+    from services.recipe.data import DataConfig
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "preprocessor_config.json").write_text('{"image_processor_type": "Qwen2VLImageProcessor"}')

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from rollout.config import GenerationConfig
 from rollout.labels import VersionLabels
-from rollout.rewards import get_reward_fn
+from rollout.rewards.registry import get_reward_fn
 from rollout.sampling import GroupSampler
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 
 
 def sampler(generation: GenerationConfig) -> GroupSampler:
@@ -30,9 +30,9 @@ def test_bad_words_reach_the_sampling_params():
 
 
 def test_a_nemo_rl_null_bad_words_is_none():
-    from services.config import is_recipe_key
-    from services.nemo_rl.rules import translate
-    from services.nemo_rl.table import TABLE
+    from services.recipe.config import is_recipe_key
+    from services.recipe.nemo_rl.rules import translate
+    from services.recipe.nemo_rl.table import TABLE
 
     out, _ = translate({"policy": {"generation": {"bad_words": None, "vllm_kwargs": None}}}, TABLE, is_recipe_key)
     assert out["policy"]["generation"] == {"bad_words": [], "vllm_kwargs": {}}

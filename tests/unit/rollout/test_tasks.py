@@ -6,10 +6,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from rollout.calculator import CALCULATOR, evaluate
-from rollout.environment import Turn
-from rollout.envs.letter_relay import LetterRelay
-from rollout.rewards import RewardInput, math_exact, repeat_letter
+from rollout.episodes.calculator import CALCULATOR, evaluate
+from rollout.episodes.environment import Turn
+from rollout.episodes.envs.letter_relay import LetterRelay
+from rollout.rewards.registry import RewardInput, math_exact, repeat_letter
 from rollout.tasks import MAX_REPEAT_TARGETS, RELAY_ROUNDS, make_prompts, repeat_targets
 
 

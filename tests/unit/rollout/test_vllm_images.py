@@ -18,7 +18,7 @@ SHA_B = hashlib.sha256(b"b").hexdigest()
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    from services.tiny_vlm import make_tiny_vlm
+    from services.models.tiny_vlm import make_tiny_vlm
 
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from services.config_data import DataConfig
+from services.recipe.data import DataConfig
 from services.job.dataset import RowMapper, load_rows
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "make_clevr.py"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.chat_turns import ChatTurns
-from rollout.environment import Message
+from rollout.episodes.chat_turns import ChatTurns
+from rollout.episodes.environment import Message
 from rollout.tasks import make_prompts
-from services.config import RecipeError, load_recipe
+from services.recipe.config import RecipeError, load_recipe
 from services.job.prompt_source import PromptSource, validation_prompts
 from services.job.prompt_template import PromptTemplate
 from services.pool.engine_actor import EngineActor, EngineSpec
@@ -22,7 +22,7 @@ OFF = {"enable_thinking": False}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from services.tiny_model import build_tokenizer
+    from services.models.tiny_model import build_tokenizer
 
     out = tmp_path_factory.mktemp("thinking-tok")
     tok = build_tokenizer(out)

@@ -15,9 +15,9 @@ from services.pool.fleet import ScaleError, ScaleRequestError, ScaleResult
 @pytest.fixture
 def pool(monkeypatch):
     """The handle ``pool scale`` connects to; ``answer`` is what its ``scale`` gives (a value or an error)."""
-    import services.cluster
+    import services.cluster.head
     import services.pool
-    import services.ray_runtime
+    import services.cluster.ray_runtime
 
     calls: list[tuple] = []
     state = SimpleNamespace(answer=None, calls=calls)
@@ -28,8 +28,8 @@ def pool(monkeypatch):
             raise state.answer
         return state.answer
 
-    monkeypatch.setattr(services.cluster, "known_address", lambda: "127.0.0.1:6379")
-    monkeypatch.setattr(services.ray_runtime, "connect", lambda address=None: address)
+    monkeypatch.setattr(services.cluster.head, "known_address", lambda: "127.0.0.1:6379")
+    monkeypatch.setattr(services.cluster.ray_runtime, "connect", lambda address=None: address)
     monkeypatch.setattr(services.pool, "connect", lambda name: SimpleNamespace(name=name, scale=ServeMethod(scale)))
     return state
 

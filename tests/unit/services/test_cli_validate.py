@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.config import RECIPES_DIR
+from services.recipe.config import RECIPES_DIR
 
 
 def _run(*args):

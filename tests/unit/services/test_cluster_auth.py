@@ -1,4 +1,4 @@
-"""Token handling between Inflight's Ray head and its clients (``services.cluster_auth``).
+"""Token handling between Inflight's Ray head and its clients (``services.cluster.auth``).
 
 ``check_gcs`` is exercised against a small gRPC server that answers the GCS method the way
 Ray 2.60's token interceptor does: UNAUTHENTICATED unless ``authorization: Bearer <token>``.
@@ -13,8 +13,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from services import cluster, cluster_auth
+from services.cluster import head as cluster
 
+
+from services.cluster import auth as cluster_auth
 TOKEN = "s3cret" * 8
 
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from services import cluster
+from services.cluster import head as cluster
 
 CHILD = "import time; time.sleep(600)"
 HEAD = ("import subprocess, sys, time; "

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_recipe_with_report
+from services.recipe.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_recipe_with_report
 
 ALL_RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 
@@ -121,10 +121,10 @@ def test_every_field_has_a_description():
 
 
 def test_configuration_reference_is_up_to_date():
-    from services.config_docs import render
+    from services.recipe.docs import render
     doc = (RECIPES_DIR.parent / "docs" / "configuration.md").read_text()
     assert doc == render(), ("docs/configuration.md is stale: run "
-                             "`python -m services.config_docs > docs/configuration.md`")
+                             "`python -m services.recipe.docs > docs/configuration.md`")
 
 
 def test_one_host_scale_downs_of_the_seed():

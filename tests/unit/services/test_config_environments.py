@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.env_registry import EnvironmentSpec, build_environment, load_environment_class, tool_schemas
-from services.config import RecipeError, load_recipe
+from rollout.episodes.env_registry import EnvironmentSpec, build_environment, load_environment_class, tool_schemas
+from services.recipe.config import RecipeError, load_recipe
 from services.pool.engine_actor import EngineSpec, RewardEnvSpec, environment_spec
 
 
@@ -66,10 +66,10 @@ def test_registry_builds_tool_calls_and_refuses_unknown_classes():
     with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod': ModuleNotFoundError"):
         load_environment_class("no_such_pkg.mod:Env")
     with pytest.raises(ValueError, match="has no class 'Nope'"):
-        load_environment_class("rollout.environment:Nope")
+        load_environment_class("rollout.episodes.environment:Nope")
     with pytest.raises(ValueError, match="expected 'tool_calls'"):
         load_environment_class("nothing")
-    bad = EnvironmentSpec("g", "rollout.environment:SingleTurnEnvironment", kwargs={"no_such_kwarg": 1})
+    bad = EnvironmentSpec("g", "rollout.episodes.environment:SingleTurnEnvironment", kwargs={"no_such_kwarg": 1})
     with pytest.raises(ValueError, match=r"env\.g: rollout\.environment:SingleTurnEnvironment\(\*\*environment_kw"):
         build_environment(bad, reward_fn=lambda b: [0.0] * len(b), reward_timeout_s=5.0)
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from services import console
+from services.console import output as console
 
 FORWARDED = [
     "[inflight] WARNING inflight.pool: pool inflight-pool: engine inflight-pool-engine-0 died with 4 prompts",

@@ -3,8 +3,8 @@ an unknown argument is a problem naming it and its close match; the seed recipes
 GPU-only arguments noted as ignored."""
 from __future__ import annotations
 
-from services.config import load_recipe
-from services.recipe_checks import check_recipe
+from services.recipe.config import load_recipe
+from services.preflight.checks import check_recipe
 
 SEED_STACK = ("{max_num_seqs: 64, max_num_batched_tokens: 8192, all2all_backend: flashinfer_nvlink_one_sided, "
               "kernel_config: {moe_backend: flashinfer_cutlass, enable_flashinfer_autotune: true}, "

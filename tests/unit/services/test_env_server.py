@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout.environment import EnvStep, Message, Turn
+from rollout.episodes.environment import EnvStep, Message, Turn
 from services.pool import env_server
 from services.pool.env_server import build_environment_object, environment_app, serve_environment_main
 
@@ -132,7 +132,7 @@ def test_environment_app_refuses_what_is_not_an_environment():
 
 
 ENV_FILE = """
-from rollout.environment import EnvStep
+from rollout.episodes.environment import EnvStep
 
 class Fixed:
     def __init__(self, reward):

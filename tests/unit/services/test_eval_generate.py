@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from services import local_engine
+from services.offline import local_engine
 from services.cli import main
-from services.config import load_recipe
-from services.eval_cmd import default_out, sampling
-from services.eval_report import PromptResult, pass_at, summarize, table, write_json
-from services.generate_cmd import check_counts, read_prompts
-from services.local_engine import LocalEngineError, ModelChoice, pick_model
+from services.recipe.config import load_recipe
+from services.offline.eval import default_out, sampling
+from services.offline.eval_report import PromptResult, pass_at, summarize, table, write_json
+from services.offline.generate import check_counts, read_prompts
+from services.offline.local_engine import LocalEngineError, ModelChoice, pick_model
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -90,12 +90,12 @@ def test_which_model_one_line_errors(tmp_path):
 
 
 def test_a_run_checkpoint_is_exported_once_into_the_run_directory(monkeypatch, tmp_path):
-    from services.export import save_run_recipe
+    from services.offline.export import save_run_recipe
 
     recipe = load_recipe(None)
     save_run_recipe(recipe, "/models/tiny", tmp_path)
     ckpt = tmp_path / "results" / "checkpoints" / "step_000004"
-    monkeypatch.setattr("services.export.find_checkpoint", lambda r, run_dir, step: ckpt)
+    monkeypatch.setattr("services.offline.export.find_checkpoint", lambda r, run_dir, step: ckpt)
     calls = []
 
     def fake_export(run_dir, out, step, recipe_path, overrides, progress=None):
@@ -104,7 +104,7 @@ def test_a_run_checkpoint_is_exported_once_into_the_run_directory(monkeypatch, t
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
-    monkeypatch.setattr("services.export.export", fake_export)
+    monkeypatch.setattr("services.offline.export.export", fake_export)
     got = pick_model(None, str(tmp_path), None, None, [])
     again = pick_model(None, str(tmp_path), None, None, [])
     assert got.model_dir == again.model_dir == str((tmp_path / local_engine.EXPORTS / "step_000004").resolve())

@@ -1,4 +1,4 @@
-"""``inflight export``'s checks before it builds anything (services/export_checks.py, issue 32.6): a non-empty
+"""``inflight export``'s checks before it builds anything (services/offline/export_checks.py, issue 32.6): a non-empty
 ``--out`` is refused unless ``--overwrite`` (which then replaces it whole, no stale files), a file or an unwritable
 ``--out`` is one line, and a ``recipe.yaml`` edited to another TP size is one line naming both values. Run through
 the CLI as a user calls it; no learner is built (the model does not exist: every refusal comes before it)."""
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from services.cli import main
-from services.export_checks import ExportError, check_out, install_out, staging_dir
+from services.offline.export_checks import ExportError, check_out, install_out, staging_dir
 
 MODEL = "/nonexistent/model"
 
@@ -18,8 +18,8 @@ MODEL = "/nonexistent/model"
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory: recipe.yaml and a complete one-rank checkpoint (step 2, TP 1) named by ``latest``."""
-    from services.config import load_recipe
-    from services.export import save_run_recipe
+    from services.recipe.config import load_recipe
+    from services.offline.export import save_run_recipe
 
     run = tmp_path / "run"
     save_run_recipe(load_recipe(None, [f"policy.model_name={MODEL}"]), MODEL, run)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import GpuCensus, PlacementError, check_learner_fits, check_pool_fits, gpu_census
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import GpuCensus, PlacementError, check_learner_fits, check_pool_fits, gpu_census
 
 ASYNC2 = RECIPES_DIR / "gpu-2xh200-async.yaml"
 

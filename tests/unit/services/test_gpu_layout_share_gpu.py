@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import RECIPES_DIR, RecipeError, load_recipe
-from services.gpu_layout import (
+from services.recipe.config import RECIPES_DIR, RecipeError, load_recipe
+from services.recipe.gpu_layout import (
     GpuCensus,
     PlacementError,
     check_learner_fits,

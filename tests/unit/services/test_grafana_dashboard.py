@@ -7,7 +7,7 @@ import json
 import yaml
 from grafana_names import DASHBOARD, dashboard_exprs, dashboard_names, metric_names, missing
 
-from services.config import RolloutPoolConfig
+from services.recipe.config import RolloutPoolConfig
 from services.pool.metrics import PoolMetrics
 
 PROMETHEUS = DASHBOARD.parents[1] / "prometheus" / "prometheus.yml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import RecipeError, load_recipe
+from services.recipe.config import RecipeError, load_recipe
 from services.job.learner_actor import LearnerSpec
 
 DAPO = ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1.0", "grpo.reward_shaping.enabled=true",

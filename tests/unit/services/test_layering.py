@@ -103,3 +103,25 @@ def test_the_weight_transports_import_neither_wing_anywhere():
         bad = {m for m in every_import(f.read_text(), package)
                if m.split(".")[:2] in (["services", "pool"], ["services", "job"])}
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+NEVER_IMPORTS = {
+    "rollout/install": ("rollout.engine", "rollout.sampling", "rollout.episodes", "rollout.rewards"),
+    "rollout/episodes": ("rollout.engine", "rollout.sampling", "rollout.install"),
+    "rollout/rewards": ("rollout.engine", "rollout.sampling", "rollout.install", "rollout.episodes"),
+}
+"""Wings and what they never import, anywhere in their modules. rollout's wings (docs/rollout.md): the engine core
+(``engine``, ``sampling``) drives them and they never import it back -- an episode reaches the sampler only
+through ``rollout.episodes.turn_sampler.TurnSampler`` --; between the wings only the episodes use the rewards
+(no circle)."""
+
+
+@pytest.mark.parametrize("wing", sorted(NEVER_IMPORTS))
+def test_a_wing_never_imports_what_drives_it_nor_a_wing_beside_it(wing):
+    files = sorted((ROOT / wing).rglob("*.py"))
+    assert files, f"{wing}/ is missing"
+    for f in files:
+        package = ".".join(f.relative_to(ROOT).parts[:-1])
+        bad = {m for m in every_import(f.read_text(), package)
+               if any(m == p or m.startswith(p + ".") for p in NEVER_IMPORTS[wing])}
+        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from services import cli
-from services.config import load_recipe_with_report
+from services.recipe.config import load_recipe_with_report
 from services.learner_jobs import (
     STOP_GRACE_S,
     JobRecord,

@@ -6,10 +6,10 @@ import hashlib
 
 import pytest
 
-from services import model_files
-from services.config import load_recipe
+from services.models import files as model_files
+from services.recipe.config import load_recipe
 from services.job.learner_actor import LearnerActor, LearnerSpec, start_ranks
-from services.model_files import ModelFileHolder, ModelFiles, ModelFilesError, ensure_local
+from services.models.files import ModelFileHolder, ModelFiles, ModelFilesError, ensure_local
 
 
 class _Method:

@@ -1,8 +1,8 @@
 """A tiny model cached by an older version gets today's chat template (tools), and nothing else changes."""
 from __future__ import annotations
 
-from services.model_source import refresh_chat_template
-from services.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from services.models.source import refresh_chat_template
+from services.models.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 
 def test_an_old_cached_chat_template_is_replaced_and_a_current_one_left_alone(tmp_path):

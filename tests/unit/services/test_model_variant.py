@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from services.config import PolicyConfig
-from services.model_variant import model_variant, resolve_policy_model
+from services.recipe.config import PolicyConfig
+from services.models.variant import model_variant, resolve_policy_model
 
 
 @pytest.fixture()
 def dirs(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
-    monkeypatch.setattr("services.model_variant.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("services.models.variant.CACHE", tmp_path / "cache")
     model, tok = tmp_path / "model", tmp_path / "tok"
     model.mkdir()
     tok.mkdir()
@@ -55,9 +55,9 @@ def test_the_tokenizer_comes_from_its_own_directory_and_the_overrides_are_in_con
 def test_the_tokenizer_loads_with_transformers_from_the_variant(tmp_path: Path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
-    monkeypatch.setattr("services.model_variant.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("services.models.variant.CACHE", tmp_path / "cache")
     a = Path(make_tiny_model(tmp_path / "a", arch="qwen2"))
     b = tmp_path / "b"
     AutoTokenizer.from_pretrained(str(a)).save_pretrained(str(b))

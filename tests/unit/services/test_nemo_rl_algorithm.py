@@ -1,4 +1,4 @@
-"""NeMo-RL's ``grpo.*`` / ``loss_fn.*`` keys (services/nemo_rl/table_algorithm.py) on NeMo-RL's own recipes: every
+"""NeMo-RL's ``grpo.*`` / ``loss_fn.*`` keys (services/recipe/nemo_rl/table_algorithm.py) on NeMo-RL's own recipes: every
 leaf has a rule or is an Inflight key of the same meaning, the translated sections validate as Inflight's
 models, derived values by hand, and the refusals name key, value and what was expected."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from learner.config import LossConfig
-from services.config import is_recipe_key
-from services.config_grpo import GrpoConfig
-from services.nemo_rl.rules import TranslationError, find_rule, leaves, translate
-from services.nemo_rl.table_algorithm import ALGORITHM_RULES, SAME_MEANING
-from services.recipe_files import read_recipe
+from services.recipe.config import is_recipe_key
+from services.recipe.grpo import GrpoConfig
+from services.recipe.nemo_rl.rules import TranslationError, find_rule, leaves, translate
+from services.recipe.nemo_rl.table_algorithm import ALGORITHM_RULES, SAME_MEANING
+from services.recipe.files import read_recipe
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "nemo_rl"
 FIXTURES = sorted(p.relative_to(DATA).as_posix() for p in DATA.rglob("*.yaml"))

@@ -1,5 +1,5 @@
-"""NeMo-RL's ``data.*`` / ``env.*`` (services/nemo_rl/table_data.py) and ``logger.*`` / ``checkpointing.*`` /
-``cluster.*`` / other top-level keys (services/nemo_rl/table_run.py) on NeMo-RL's own recipes: every leaf has a
+"""NeMo-RL's ``data.*`` / ``env.*`` (services/recipe/nemo_rl/table_data.py) and ``logger.*`` / ``checkpointing.*`` /
+``cluster.*`` / other top-level keys (services/recipe/nemo_rl/table_run.py) on NeMo-RL's own recipes: every leaf has a
 rule or is an Inflight key of the same meaning, the translated sections validate as Inflight's models, the named
 datasets map to their Hub ids and columns, and each refusal names the key, its value and what was expected."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from services.config import is_recipe_key
-from services.config_checkpoints import CheckpointingConfig
-from services.config_data import DataConfig, EnvConfig
-from services.config_logging import LoggerConfig
-from services.nemo_rl import table_data, table_run
-from services.nemo_rl.rules import TranslationError, find_rule, leaves, translate
-from services.nemo_rl.table_data import DATA_RULES
-from services.nemo_rl.table_run import RUN_RULES
-from services.recipe_files import read_recipe
+from services.recipe.config import is_recipe_key
+from services.recipe.checkpointing import CheckpointingConfig
+from services.recipe.data import DataConfig, EnvConfig
+from services.recipe.logger import LoggerConfig
+from services.recipe.nemo_rl import table_data, table_run
+from services.recipe.nemo_rl.rules import TranslationError, find_rule, leaves, translate
+from services.recipe.nemo_rl.table_data import DATA_RULES
+from services.recipe.nemo_rl.table_run import RUN_RULES
+from services.recipe.files import read_recipe
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "nemo_rl"
 FIXTURES = sorted(p.relative_to(DATA).as_posix() for p in DATA.rglob("*.yaml"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.config import load_recipe_with_report
+from services.recipe.config import load_recipe_with_report
 
 MEGATRON = Path(__file__).resolve().parents[2] / "data" / "nemo_rl" / "grpo_math_1B_megatron.yaml"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.config import RecipeError, is_recipe_key, load_recipe_with_report
-from services.nemo_rl.rules import translate
-from services.nemo_rl.table import TABLE
-from services.recipe_files import read_recipe
+from services.recipe.config import RecipeError, is_recipe_key, load_recipe_with_report
+from services.recipe.nemo_rl.rules import translate
+from services.recipe.nemo_rl.table import TABLE
+from services.recipe.files import read_recipe
 
 PUZZLE = Path(__file__).resolve().parents[2] / "data" / "nemo_rl" / "grpo_sliding_puzzle.yaml"
 

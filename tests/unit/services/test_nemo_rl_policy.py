@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import RecipeError, load_recipe_with_report
+from services.recipe.config import RecipeError, load_recipe_with_report
 
 NEMO = Path(__file__).resolve().parents[2] / "data" / "nemo_rl"
 DTENSOR = NEMO / "grpo_math_1B.yaml"

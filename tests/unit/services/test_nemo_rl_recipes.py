@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.config import RecipeError, is_recipe_key, load_recipe_with_report
-from services.nemo_rl.rules import translate
-from services.nemo_rl.table import TABLE
-from services.recipe_files import read_recipe
+from services.recipe.config import RecipeError, is_recipe_key, load_recipe_with_report
+from services.recipe.nemo_rl.rules import translate
+from services.recipe.nemo_rl.table import TABLE
+from services.recipe.files import read_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 NEMO = ROOT / "tests" / "data" / "nemo_rl"
@@ -55,7 +55,7 @@ VLM = Fixture("vlm_grpo_3B_megatron.yaml", "qwen2", frozenset({"data.default.pro
 def models(tmp_path_factory) -> dict[str, str]:
     """One tiny model per family (``inflight make-tiny-model``'s function); the qwen2 one has DAPO's context
     (``hf_config_overrides.max_position_embeddings: 16384`` is then the model's own value, as it must be here)."""
-    from services.tiny_model import make_tiny_model
+    from services.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     sizes = {"qwen2": 16384, "llama3": 2048, "qwen3_moe": 4096}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.nemo_rl.rules import (
+from services.recipe.nemo_rl.rules import (
     Derive,
     Ignore,
     NeutralOnly,
@@ -97,7 +97,7 @@ def test_not_strict_collects_every_error_and_goes_on():
 
 
 def test_a_derive_may_skip_with_its_own_reason():
-    from services.nemo_rl.rules import Skip
+    from services.recipe.nemo_rl.rules import Skip
 
     table = {"n.a": Derive(lambda v, s: Skip(f"later ({v})"), "note")}
     _, report = run({"n": {"a": 1}}, table)

@@ -1,5 +1,5 @@
 """Issue 33.2: what a recipe points to is checked before anything starts, every problem at once, one line each
-(key, value, what was expected): ``services.recipe_checks`` directly, and ``inflight validate`` / ``run`` /
+(key, value, what was expected): ``services.preflight.checks`` directly, and ``inflight validate`` / ``run`` /
 ``pool deploy`` / ``learner attach`` as the user runs them (before: a missing data file, reward file or prompt file
 passed ``validate`` and failed after 90-290 s of Ray + vLLM start-up as a 30-line traceback)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.config import load_recipe
-from services.recipe_checks import RecipeProblems, check_recipe
+from services.recipe.config import load_recipe
+from services.preflight.checks import RecipeProblems, check_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 

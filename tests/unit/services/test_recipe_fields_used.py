@@ -1,6 +1,6 @@
 """Every recipe key is read by the code: a key that is accepted and does nothing misleads its user.
 
-For each leaf field of :class:`services.config.Recipe` (and of the learner and rollout models it embeds),
+For each leaf field of :class:`services.recipe.config.Recipe` (and of the learner and rollout models it embeds),
 the source of ``services/``, ``rollout/`` and ``learner/`` must read it, as an attribute access
 ``x.field`` or as the name in a string constant (``getattr(cfg, "field")``, a mapping key). Two reads do
 not count: one inside a ``@model_validator`` / ``@field_validator`` (validating a key is not using it), and
@@ -14,11 +14,11 @@ import warnings
 from pathlib import Path
 
 from protocol.config_base import ConfigModel
-from services.config import Recipe
+from services.recipe.config import Recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCE_DIRS = ("services", "rollout", "learner")
-NOT_USES = {"services/config_docs.py", "services/recipe_rules.py"}
+NOT_USES = {"services/recipe/docs.py", "services/recipe/rules.py"}
 """config_docs renders every field into docs/configuration.md, recipe_rules checks keys against each other (the
 Recipe validator's body): showing or validating a key is not using it."""
 ALLOWED_UNREAD: dict[str, str] = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.recipe_files import RecipeError, parse_override, read_recipe
+from services.recipe.files import RecipeError, parse_override, read_recipe
 
 
 def write(folder: Path, name: str, text: str) -> Path:

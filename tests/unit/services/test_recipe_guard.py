@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.recipe_files import RecipeError, read_recipe, register_resolvers
-from services.recipe_guard import MAX_RECIPE_BYTES, ROOTS_ENV
+from services.recipe.files import RecipeError, read_recipe, register_resolvers
+from services.recipe.guard import MAX_RECIPE_BYTES, ROOTS_ENV
 
 
 def write(folder: Path, name: str, text: str) -> Path:

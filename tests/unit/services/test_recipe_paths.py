@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.config import RECIPES_DIR, load_recipe_with_report
-from services.recipe_paths import locate, search_dirs
+from services.recipe.config import RECIPES_DIR, load_recipe_with_report
+from services.recipe.paths import locate, search_dirs
 
 
 def write(folder: Path, name: str, text: str) -> Path:

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from services import app, console
+from services import app
+
+from services.console import output as console
 from services.run_resume import PREVIOUS, RunDirError, RunStart, run, start_or_resume
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    from services.config import load_recipe
+    from services.recipe.config import load_recipe
 
     return load_recipe(None, ["grpo.max_num_steps=4"])
 

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from services import console, startup_progress
+from services.console import output as console
 
+
+from services.console import progress as startup_progress
 STAMP = r"\[\s*\d+\.\d s\]"
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file
 
-from services.tiny_model import ARCHS, make_tiny_model
+from services.models.tiny_model import ARCHS, make_tiny_model
 
 TEXTS = ["What is 12 plus 7? The answer is 19.", "the red cat saw a big dog", "Ünïcode and émojis 🙂 survive",
          "  leading spaces\nand newlines\n\n"]
@@ -70,7 +70,7 @@ def test_cli_make_tiny_model(tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_arch_is_a_tiny_name_and_checks_without_being_built(arch, tmp_path, monkeypatch):
-    from services import model_source
+    from services.models import source as model_source
     monkeypatch.setattr(model_source, "CACHE", tmp_path)
     tiny = model_source.parse_tiny(f"tiny://{arch}?seed=2&tie=1")
     assert (tiny.arch, tiny.seed, tiny.size, tiny.tie_word_embeddings) == (arch, 2, "tiny", True)
@@ -82,14 +82,14 @@ def test_every_arch_is_a_tiny_name_and_checks_without_being_built(arch, tmp_path
 
 @pytest.mark.parametrize("name", ["tiny://gpt2", "tiny://qwen3?size=huge", "tiny://llama3?tie=yes", "tiny://qwen2?seed=x"])
 def test_bad_tiny_names_list_the_choices(name):
-    from services.model_source import check_model
+    from services.models.source import check_model
     with pytest.raises(ValueError, match=r"expected tiny://<qwen2\|qwen3\|llama\|llama3\|qwen3_moe\|mistral\|"
                                          r"nemotron_h\|nemotron_h_moe\|qwen2_5_vl>"):
         check_model(name)
 
 
 def test_check_model_describes_a_directory_and_refuses_an_unsupported_one(family_models, tmp_path):
-    from services.model_source import check_model
+    from services.models.source import check_model
     assert check_model(family_models("llama3")).startswith("llama: 2 layers")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(ValueError, match=r"config.json model_type: 'gpt2' is not supported \(supported: qwen2, "):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rollout.calculator import CALCULATOR
-from services.tiny_model import build_tokenizer
+from rollout.episodes.calculator import CALCULATOR
+from services.models.tiny_model import build_tokenizer
 
 OLD_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file
 
-from services.tiny_vlm import VISION_TOKENS, VLM_SIZES, make_tiny_vlm
+from services.models.tiny_vlm import VISION_TOKENS, VLM_SIZES, make_tiny_vlm
 
 
 @pytest.fixture(scope="module")

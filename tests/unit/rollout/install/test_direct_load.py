@@ -1,11 +1,11 @@
-"""rollout.direct_load: plain load_weights is used only once proven equal to reload_weights, and a copy plan
+"""rollout.install.direct_load: plain load_weights is used only once proven equal to reload_weights, and a copy plan
 only once proven equal to plain load_weights."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rollout.direct_load import CopyPlan, DirectLoad, PlanRefused, fingerprint, model_tensors
+from rollout.install.direct_load import CopyPlan, DirectLoad, PlanRefused, fingerprint, model_tensors
 
 
 class Fused(torch.nn.Module):
@@ -207,7 +207,7 @@ def test_a_push_with_other_tensors_than_the_plan_takes_plain_load():
 def test_checks_leave_out_the_kv_cache_and_work_chunk_by_chunk(monkeypatch):
     import types
 
-    from rollout import direct_load
+    from rollout.install import direct_load
 
     model = Stacked()
     model.kv_cache = torch.zeros(64, dtype=torch.bfloat16)  # how vLLM 0.25.1 binds it to an attention layer

@@ -1,4 +1,4 @@
-"""The install state machine (rollout.install) against a fake vLLM client: verify before touching the engine,
+"""The install state machine (rollout.install.installer) against a fake vLLM client: verify before touching the engine,
 pause -> drain -> install -> label -> advance the version, always resume, then reset the prefix cache; every
 step timed."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from protocol import encode, pack_buckets
 from rollout.errors import EngineError
-from rollout.install import Installer, pause
+from rollout.install.installer import Installer, pause
 from rollout.labels import VersionLabels
-from rollout.weight_receiver import ExpectedParams, ParamSpec, WeightUpdateError
+from rollout.install.weight_receiver import ExpectedParams, ParamSpec, WeightUpdateError
 
 EXPECTED = ExpectedParams({"a.weight": ParamSpec((2, 3), "float32")})
 
@@ -156,7 +156,7 @@ def test_a_group_push_is_checked_before_the_pause_and_dropped_if_rejected():
 
 
 def test_the_engine_pauses_without_pause_generations_fixed_sleep():
-    """``rollout.install.pause`` asks the engine client to pause (what ``AsyncLLM.pause_generation`` does
+    """``rollout.install.installer.pause`` asks the engine client to pause (what ``AsyncLLM.pause_generation`` does
     before its 20 ms sleep); only where the client cannot does it take the full ``pause_generation``."""
     calls = []
 

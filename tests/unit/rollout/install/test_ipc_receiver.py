@@ -1,4 +1,4 @@
-"""The worker's CUDA IPC half (rollout.ipc_receiver) without a GPU: the wire form of a share is checked field by
+"""The worker's CUDA IPC half (rollout.install.ipc_receiver) without a GPU: the wire form of a share is checked field by
 field, a share of another GPU is refused before anything is mapped, and mapped bytes are checked against the
 learner's device sums (here on CPU tensors, with the same checksum)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from learner import ipc_export
 from protocol import encode
 from protocol.ipc_share import WIRE_FIELDS, BucketShare
 from protocol.weight_transfer import plan_buckets
-from rollout import ipc_receiver
-from rollout.ipc_receiver import IpcWeightReceiver, check_sums
+from rollout.install import ipc_receiver
+from rollout.install.ipc_receiver import IpcWeightReceiver, check_sums
 
 WIRE = [2048, "GPU-1234", 0, 0, b"h" * 64, 4096, 1024, b"/torch_1_2", 8, b"e" * 64, True]
 

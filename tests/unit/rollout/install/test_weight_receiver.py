@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from protocol import pack_buckets
-from rollout.weight_receiver import (ExpectedParams, ParamSpec, WeightUpdateError, remove_staged, stage_push,
+from rollout.install.weight_receiver import (ExpectedParams, ParamSpec, WeightUpdateError, remove_staged, stage_push,
                                      verify_push)
 
 EXPECTED = ExpectedParams({"a.weight": ParamSpec((2, 3), "float32"), "b.weight": ParamSpec((4,), "bfloat16")})

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
-from services.channel import ChannelTimeout
-from services.config import load_recipe
+from services.job.channel import ChannelTimeout
+from services.recipe.config import load_recipe
 from services.job import learner_job
 from services.job.learner_job import LearnerJob
 from services.job.prompt_source import PromptSource
@@ -81,18 +81,14 @@ class ListChannel:
 
 
 class FakeLearner:
-    """A learner group at version ``version``; records the methods called."""
+    """A learner group at version ``at_version``; records the methods called."""
 
     def __init__(self, version: int = 0):
-        self.version, self.calls = version, []
+        self.at_version, self.calls = version, []
 
-    def call(self, method: str, *args):
-        self.calls.append(method)
-        if method == "version":
-            return self.version
-        if method == "export_weights":
-            return b"manifest", []
-        raise AssertionError(f"unexpected learner call {method}")
+    def version(self) -> int:
+        self.calls.append("version")
+        return self.at_version
 
 
 class CountingRefit:

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_dataset import ChatTokenizer
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.job.dataset import DataError, load_rows
 from services.job.prompt_source import PromptSource, TooLong, row_prompts
 

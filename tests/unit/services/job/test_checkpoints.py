@@ -21,21 +21,18 @@ class SavingLearner(FakeLearner):
         super().__init__(version)
         self.saved: dict[str, dict] = {}
 
-    def call(self, method: str, *args):
-        if method == "save_checkpoint":
-            path, extra = args
-            self.saved[path] = extra
-            Path(path).mkdir()
-            (Path(path) / "meta.json").write_text(json.dumps({"step": extra["step"], "world_size": 1}))
-            (Path(path) / "rank_00000.pt").write_bytes(b"")
-            return None
-        if method == "save_hf":
-            self.calls.append((method, args[0]))
-            return None
-        if method == "load_checkpoint":
-            self.calls.append(method)
-            return self.saved[args[0]]
-        return super().call(method, *args)
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.saved[path] = extra
+        Path(path).mkdir()
+        (Path(path) / "meta.json").write_text(json.dumps({"step": extra["step"], "world_size": 1}))
+        (Path(path) / "rank_00000.pt").write_bytes(b"")
+
+    def save_hf(self, path: str) -> None:
+        self.calls.append(("save_hf", path))
+
+    def load_checkpoint(self, path: str) -> dict:
+        self.calls.append("load_checkpoint")
+        return self.saved[path]
 
 
 def cfg(**kw) -> SimpleNamespace:

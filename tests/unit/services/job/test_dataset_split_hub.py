@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_dataset import ChatTokenizer
 
-from services.config import RecipeError, load_recipe
+from services.recipe.config import RecipeError, load_recipe
 from services.job.dataset import DataError, RowMapper, load_rows, lookup, split_rows
 from services.job.prompt_source import PromptSource, row_prompts, validation_prompts
 

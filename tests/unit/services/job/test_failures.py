@@ -81,7 +81,7 @@ def test_validations_failed_answers_are_on_record_but_not_in_the_training_counts
     from handle_fakes import ServeMethod
 
     from protocol import PromptRequest, decode
-    from services.config import load_recipe
+    from services.recipe.config import load_recipe
     from services.job.validation import Validator
 
     def evaluate(prompt_bytes, k, temperature, timeout_s):

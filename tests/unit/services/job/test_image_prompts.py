@@ -15,7 +15,7 @@ import pytest
 
 from protocol import PromptRequest, decode, encode
 from rollout.images import ImageRules, prepare_image
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.job.dataset import RowMapper, load_rows
 from services.job.image_prompts import IMAGE_PAD, BadImage, ImagePrompts, image_inputs, image_token_id, vision_token_ids
 from services.job.prompt_source import DataExhausted, PromptSource, image_prompts, row_prompts, validation_prompts
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[4]
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory) -> Path:
-    from services.tiny_vlm import make_tiny_vlm
+    from services.models.tiny_vlm import make_tiny_vlm
 
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
 

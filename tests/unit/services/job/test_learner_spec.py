@@ -1,7 +1,7 @@
 """The recipe's per-step GRPO keys reach the learner's constructor through LearnerSpec."""
 from __future__ import annotations
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.job.learner_actor import LearnerSpec
 
 

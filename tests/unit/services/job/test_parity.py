@@ -61,8 +61,8 @@ class FakePool:
 
 
 class FakeLearner:
-    def call(self, method, prompts, responses):
-        assert method == "logprobs" and len(prompts) == len(responses)
+    def logprobs(self, prompts, responses, images=None):
+        assert len(prompts) == len(responses) and images is None
         return learner_logprobs(responses)
 
 

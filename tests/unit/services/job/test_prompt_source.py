@@ -9,7 +9,7 @@ import pytest
 from test_dataset import ChatTokenizer
 
 from protocol import PromptRequest
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.job.dataset import DataError, RowMapper, load_rows
 from services.job.prompt_source import DataExhausted, PromptSource, RowPrompts, validation_prompts
 from services.job.prompt_template import PromptTemplate

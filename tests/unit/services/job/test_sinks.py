@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from services.config import Recipe
+from services.recipe.config import Recipe
 from services.job.run_log import RunLog
 
 ROWS = [{"step": 0, "val_reward_mean": 0.25},

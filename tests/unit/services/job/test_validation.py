@@ -11,7 +11,7 @@ from handle_fakes import ServeMethod
 from job_fakes import FakePool, ListChannel, group, make_job
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup, decode, encode
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.job import validation
 from services.job.validation import Validator, validation_metrics
 

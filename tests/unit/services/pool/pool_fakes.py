@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.pool.dispatch import Dispatcher
 from services.pool.fleet import Fleet
 from services.pool.metrics import PoolMetrics

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.pool.engine_actor import EngineSpec, RewardEnvSpec
 
 

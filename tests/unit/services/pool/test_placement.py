@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import RECIPES_DIR, load_recipe
-from services.gpu_layout import GpuCensus, PlacementError, check_learner_fits, learner_gpus_per_rank
+from services.recipe.config import RECIPES_DIR, load_recipe
+from services.recipe.gpu_layout import GpuCensus, PlacementError, check_learner_fits, learner_gpus_per_rank
 from services.pool.placement import engine_gpus
 
 
@@ -38,7 +38,7 @@ def test_colocated_multi_gpu_engine_actor_leaves_the_gpu_shares_to_its_vllm_work
 
 
 def test_slots_run_node_by_node_whatever_order_ray_granted_the_bundles_in():
-    from services.gpu_layout import slots_by_node
+    from services.recipe.gpu_layout import slots_by_node
 
     granted = {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "b", 6: "a", 7: "b"}  # PACK interleaved two nodes
     assert slots_by_node(granted) == [0, 2, 4, 6, 1, 3, 5, 7]
@@ -77,14 +77,14 @@ SYNC32 = RECIPES_DIR / "grpo-32gpu-sync-colocated.yaml"
     (["rollout_pool.learner_gpus=16"], r"^rollout_pool.learner_gpus \(16\): colocated, the learner has one rank"),
 ])
 def test_validate_rejects_layouts_placement_cannot_do(overrides, match):
-    from services.config import RecipeError
+    from services.recipe.config import RecipeError
 
     with pytest.raises(RecipeError, match=match):
         load_recipe(SYNC32, overrides)
 
 
 def test_separate_pool_engines_must_fit_whole_on_nodes():
-    from services.config import RecipeError
+    from services.recipe.config import RecipeError
 
     # 4 engines x TP2 + 1 learner GPU = 9 = 3 nodes x 3 GPUs, but only one TP2 engine fits on a node
     with pytest.raises(RecipeError, match=r"^rollout_pool.num_engines \(4\): engines of 2 GPUs each on one node fit 3"):
@@ -96,7 +96,7 @@ def test_separate_pool_engines_must_fit_whole_on_nodes():
 COLOCATED_2GPU = ["cluster.gpus_per_node=2", "rollout_pool.num_engines=2"]
 
 def test_colocation_needs_a_group_only_on_gpus():
-    from services.gpu_layout import colocation_bundles
+    from services.recipe.gpu_layout import colocation_bundles
     from services.pool.placement import engine_options
 
     assert colocation_bundles(load_recipe(None)) == 0

@@ -15,7 +15,7 @@ import ray
 from handle_fakes import ActorMethod
 from pool_fakes import pool_of
 
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.pool import fleet as fleet_module
 from services.pool.fleet import ScaleError, ScaleRequestError
 from services.pool.startup import engine_name

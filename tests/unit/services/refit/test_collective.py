@@ -3,14 +3,16 @@ ranks per vLLM worker, tracks incarnations, and advances its version only when e
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayTaskError
 
 from rollout.install.weight_receiver import WeightUpdateError
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.refit import CollectiveRefit, RefitError, RefitResult
 from services.refit.collective import GroupPlan, WeightGroup
+from services.refit.learner_port import SentPush
 from services.refit.port import KeptPush
 from services.refit.result import GroupInstall
 from handle_fakes import ActorMethod, ServeMethod
@@ -37,25 +39,28 @@ class _GroupPool:
 
 
 class _GroupLearner:
+    """The learner's side of a collective push (``LearnerPort``); its first ``fail_sends`` sends fail."""
+
     def __init__(self, fail_sends: int):
         self.fail_sends, self.calls = fail_sends, []
 
-    def call(self, method, *args):
-        self.calls.append(method)
-        if method == "weight_group_address":
-            return "127.0.0.1", 1234
-        if method == "send_staged":
-            if self.fail_sends:
-                self.fail_sends -= 1
-                raise RuntimeError("gloo: connection reset by peer")
-            return {"seconds": 0.05}
+    def weight_group_address(self):
+        self.calls.append("weight_group_address")
+        return "127.0.0.1", 1234
 
-    def call_async(self, method, *args):
-        self.calls.append(method)
-        return []
+    def join_weight_group(self, host, port, world_size, timeout_s):
+        self.calls.append("join_weight_group")
+        return SimpleNamespace(wait=lambda: None)
 
-    def wait(self, refs, method):
-        return None
+    def stage_weights(self):
+        self.calls.append("stage_weights")
+
+    def send_staged(self, bucket_bytes):
+        self.calls.append("send_staged")
+        if self.fail_sends:
+            self.fail_sends -= 1
+            raise RuntimeError("gloo: connection reset by peer")
+        return SentPush(version=1, bytes=10, seconds=0.05)
 
 
 def test_collective_refit_forms_the_group_once_and_again_after_a_failed_send():

@@ -11,9 +11,10 @@ from ray.exceptions import RayTaskError
 
 from rollout.install.installer import PauseBreakdown
 from rollout.install.weight_receiver import WeightUpdateError
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.refit import CudaIpcRefit, RefitError, RefitResult, make_refit
 from services.refit.cuda_ipc import IpcFanout, IpcPlan
+from services.refit.learner_port import ExportedWeights, IpcExport
 from services.refit.port import KeptPush
 from services.refit.result import GroupInstall
 from handle_fakes import ActorMethod, ServeMethod
@@ -91,13 +92,26 @@ class _Pool:
 
 
 class _Learner:
+    """The learner's side of a CUDA IPC push (``LearnerPort``) on the GPU ``gpu`` ('' on CPU)."""
+
     def __init__(self, gpu: str):
         self.gpu, self.calls = gpu, []
 
-    def call(self, method, *args):
-        self.calls.append(method)
-        return {"gpu_uuid": self.gpu, "export_ipc": (b"manifest", [["share"]]),
-                "export_weights": (b"manifest", ["ref"]), "release_ipc": 10}[method]
+    def gpu_uuid(self):
+        self.calls.append("gpu_uuid")
+        return self.gpu
+
+    def export_ipc(self, bucket_bytes):
+        self.calls.append("export_ipc")
+        return IpcExport(b"manifest", [["share"]])
+
+    def export_weights(self, bucket_bytes):
+        self.calls.append("export_weights")
+        return ExportedWeights(b"manifest", ["ref"])
+
+    def release_ipc(self):
+        self.calls.append("release_ipc")
+        return 10
 
 
 def test_the_learner_shares_its_buckets_and_frees_them_after_the_pools_answer_even_a_failure():

@@ -12,7 +12,7 @@ from protocol import WeightManifest, decode, encode
 from protocol.weights import pack_buckets
 from rollout.install.installer import PauseBreakdown
 from rollout.install.weight_receiver import WeightUpdateError
-from services.config import load_recipe
+from services.recipe.config import load_recipe
 from services.refit import RefitError, RefitResult
 from services.refit.object_store import ObjectStoreFanout
 from handle_fakes import ActorMethod
@@ -88,6 +88,7 @@ def test_a_push_retried_after_failing_on_one_engine_is_not_rejected_by_the_engin
 
 def test_the_learner_exports_buckets_and_hands_them_to_the_pools_push():
     from services.refit import ObjectStoreRefit, make_refit
+    from services.refit.learner_port import ExportedWeights
 
     calls, result = [], RefitResult(version=2, seconds=0.1, bytes=10, engines=1)
 
@@ -101,7 +102,12 @@ def test_the_learner_exports_buckets_and_hands_them_to_the_pools_push():
             return result
 
     recipe = load_recipe(None, ["policy.refit_bucket_mb=2", "policy.refit_timeout_s=10"])
-    learner = type("L", (), {"call": lambda self, m, *a: (calls.append((m, *a)), (b"manifest", ["ref"]))[1]})()
+    class _Learner:
+        def export_weights(self, bucket_bytes):
+            calls.append(("export_weights", bucket_bytes))
+            return ExportedWeights(b"manifest", ["ref"])
+
+    learner = _Learner()
     refit = make_refit(recipe, type("Pool", (), {"push": _Push()})(), learner)
     assert isinstance(refit, ObjectStoreRefit) and not refit.engines_waiting()
     assert refit.push(reset=True) is result

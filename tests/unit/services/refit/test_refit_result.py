@@ -7,7 +7,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from protocol import ProtocolError
 from rollout.liveness import EngineDead
-from rollout.weight_receiver import WeightUpdateError
+from rollout.install.weight_receiver import WeightUpdateError
 from services.refit.result import engine_gone, failure_reason, remote_cause
 
 
