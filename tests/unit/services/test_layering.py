@@ -125,3 +125,85 @@ def test_a_wing_never_imports_what_drives_it_nor_a_wing_beside_it(wing):
         bad = {m for m in every_import(f.read_text(), package)
                if any(m == p or m.startswith(p + ".") for p in NEVER_IMPORTS[wing])}
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def face_modules() -> set[str]:
+    """The modules at the top of services/ (the face: the CLI and what its commands call)."""
+    return {f"services.{f.stem}" for f in (ROOT / "services").glob("*.py") if f.stem != "__init__"}
+
+
+def wing_imports() -> dict[str, dict[str, set[str]]]:
+    """{wing: {module of services it imports: {importing file}}} for every sub-package (wing) of services/."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for wing in sorted(d for d in (ROOT / "services").iterdir() if (d / "__init__.py").is_file()):
+        seen = out.setdefault(wing.name, {})
+        for f in sorted(wing.rglob("*.py")):
+            package = ".".join(f.relative_to(ROOT).parts[:-1])
+            for m in every_import(f.read_text(), package):
+                if m.startswith("services."):
+                    seen.setdefault(m, set()).add(str(f.relative_to(ROOT)))
+    return out
+
+
+MAX_FACE_MODULES = 7
+
+
+def test_the_face_of_services_holds_at_most_seven_modules():
+    """The face keeps what the CLI's commands are (issue 31); every other concern lives in a wing."""
+    face = sorted(face_modules())
+    assert face, "services/ has no top-level module"
+    assert len(face) <= MAX_FACE_MODULES, f"services/ has {len(face)} top-level modules: {face}"
+
+
+def test_no_wing_imports_a_face_module():
+    """The arrows point down: the face imports the wings, a wing never imports the face (anywhere in its body)."""
+    face = face_modules()
+    wings = wing_imports()
+    assert {"pool", "job", "refit"} <= set(wings)
+    for wing, imported in wings.items():
+        for module, files in imported.items():
+            hit = next((f for f in face if module == f or module.startswith(f + ".")), None)
+            assert hit is None, f"services/{wing}/ imports the face module {hit}: {sorted(files)}"
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` ({node: nodes it points to}) as [a, b, ..., a], or None when it has none."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_circle_finds_and_names_a_circle():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"a"}}) == ["a", "a"]
+    assert circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_wings_of_services_import_each_other_in_no_circle():
+    """Each wing of services/ sits above or below another, never both: built from every import of every module
+    (function bodies and ``TYPE_CHECKING`` blocks too), the graph of the wings has no circle."""
+    wings = wing_imports()
+    graph = {wing: {m.split(".")[1] for m in imported} & set(wings) - {wing} for wing, imported in wings.items()}
+    found = circle(graph)
+    if found:
+        steps = []
+        for a, b in zip(found, found[1:], strict=False):
+            files = sorted({f for m, fs in wings[a].items() if m.split(".")[1] == b for f in fs})
+            steps.append(f"{a} -> {b} ({', '.join(files)})")
+        raise AssertionError("the wings of services/ import in a circle: " + "; ".join(steps))
