@@ -70,7 +70,7 @@ def test_registry_builds_tool_calls_and_refuses_unknown_classes():
     with pytest.raises(ValueError, match="expected 'tool_calls'"):
         load_environment_class("nothing")
     bad = EnvironmentSpec("g", "rollout.episodes.environment:SingleTurnEnvironment", kwargs={"no_such_kwarg": 1})
-    with pytest.raises(ValueError, match=r"env\.g: rollout\.environment:SingleTurnEnvironment\(\*\*environment_kw"):
+    with pytest.raises(ValueError, match=r"env\.g: rollout\.episodes\.environment:SingleTurnEnvironment\(\*\*environment_kw"):
         build_environment(bad, reward_fn=lambda b: [0.0] * len(b), reward_timeout_s=5.0)
 
 

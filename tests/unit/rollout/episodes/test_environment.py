@@ -23,7 +23,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
+DOCS = Path(__file__).resolve().parents[4] / "docs" / "environments.md"
 
 
 def docs_example() -> type:
