@@ -50,10 +50,10 @@ def worker(kind: str, path: str, batch: int, cache: str) -> dict:
     import numpy as np
 
     from protocol import PromptRequest
-    from rollout.tasks import chat_prompt_ids
-    from services.job.dataset import RowMapper, load_rows
-    from services.job.prompt_source import PromptSource, RowPrompts
-    from services.job.prompt_template import PromptTemplate
+    from services.data.tasks import chat_prompt_ids
+    from services.data.dataset import RowMapper, load_rows
+    from services.data.prompt_source import PromptSource, RowPrompts
+    from services.data.prompt_template import PromptTemplate
 
     tokenizer = _tokenizer()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -102,7 +102,7 @@ async def run(args) -> dict:
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
     from rollout.rewards.registry import get_reward_fn
-    from rollout.tasks import make_prompts
+    from services.data.tasks import make_prompts
     from services.models.tiny_model import make_tiny_model
 
     out: dict = {"checks": {}}

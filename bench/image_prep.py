@@ -1,5 +1,5 @@
-"""Images per second of the image preparation path (read, validate, resize, patchify: rollout/images.py) in process
-and in the worker pool (rollout/image_pool.py) with 1, 2, 4 and 8 workers, on the same images: the seed's
+"""Images per second of the image preparation path (read, validate, resize, patchify: services/data/images.py) in process
+and in the worker pool (services/data/image_pool.py) with 1, 2, 4 and 8 workers, on the same images: the seed's
 serial-vs-parallel comparison of image encoding.
 
 Two workloads, each of ``--images`` distinct PNG scenes drawn by scripts/make_clevr.py (in a temp dir, read from
@@ -80,7 +80,7 @@ def cpu_seconds() -> tuple[float, float]:
 
 def run_serial(paths: list[str], rules, repeats: int) -> tuple[list[float], float]:
     """Seconds of each repeat, and the CPU seconds of all of them."""
-    from rollout.images import PreparedImage, prepare_image
+    from services.data.images import PreparedImage, prepare_image
 
     times, cpu0 = [], cpu_seconds()[0]
     for _ in range(repeats):
@@ -94,7 +94,7 @@ def run_serial(paths: list[str], rules, repeats: int) -> tuple[list[float], floa
 def run_pool(paths: list[str], rules, workers: int, repeats: int) -> tuple[float, list[float], float, float]:
     """The pool's start-up (spawn + warm-up), the seconds of each repeat over ``paths``, and the CPU seconds of all
     repeats in this process and in the workers."""
-    from rollout.image_pool import ImagePool
+    from services.data.image_pool import ImagePool
 
     t = time.perf_counter()
     with ImagePool(rules, num_workers=workers) as pool:
@@ -112,7 +112,7 @@ def run_pool(paths: list[str], rules, workers: int, repeats: int) -> tuple[float
 
 
 def bench_workload(name: str, paths: list[str], rules, repeats: int) -> dict:
-    from rollout.images import PreparedImage, batch_images, prepare_image
+    from services.data.images import PreparedImage, batch_images, prepare_image
 
     prepared = [prepare_image(p, rules, base_dir=os.path.dirname(p)) for p in paths]
     assert all(isinstance(p, PreparedImage) for p in prepared)
@@ -157,7 +157,7 @@ def vlm_step_breakdown(metrics: Path) -> dict:
 
 
 def main() -> None:
-    from rollout.images import ImageRules
+    from services.data.images import ImageRules
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--images", type=int, default=256)

@@ -136,7 +136,7 @@ def object_store_push(model_dir: str, version: int):
 
 
 def install_check(a: str, b: str, args) -> dict:
-    from rollout.tasks import make_prompts
+    from services.data.tasks import make_prompts
 
     fresh = Served(b, args)
     try:

@@ -37,7 +37,7 @@ from rollout.config import GenerationConfig, VllmConfig  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.options import build_engine_options  # noqa: E402
 from rollout.rewards.registry import get_reward_fn  # noqa: E402
-from rollout.tasks import make_prompts  # noqa: E402
+from services.data.tasks import make_prompts  # noqa: E402
 from services.models.tiny_model import make_tiny_model  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

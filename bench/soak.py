@@ -76,7 +76,7 @@ def main() -> None:
     from services.app import deploy_pool
     from services.job.channel import ChannelTimeout, TrajectoryChannel
     from services.recipe.config import load_recipe
-    from services.job.prompt_source import PromptSource
+    from services.data.prompt_source import PromptSource
     from services.models.source import resolve_model
 
     os.environ.setdefault("INFLIGHT_ADMIN_TOKEN", "soak-admin-token")

@@ -4,7 +4,7 @@
 - :mod:`rollout.sampling` / :mod:`rollout.labels` -- its groups, version labels;
 - :mod:`rollout.options` -- recipe ``vllm_cfg`` -> engine arguments, checked against the installed vLLM;
 - :mod:`rollout.install` -- the in-flight install: verify a weight push, stage it, install it;
-- :mod:`rollout.rewards` / :mod:`rollout.tasks` -- reward functions and prompt sources.
+- :mod:`rollout.rewards` / :mod:`services.data.tasks` -- reward functions and prompt sources.
 
 This package speaks only :mod:`protocol`; it never imports ``learner`` or ``services``.
 Importing it does not import vLLM.

@@ -38,9 +38,9 @@ def examples(model_dir: str, data: Path, limit: int):
     """(prompt ids, PreparedImage) of the first ``limit`` rows, through the job's own prompt path."""
     from transformers import AutoTokenizer
 
-    from rollout.images import ImageRules, prepare_image
-    from services.job.image_prompts import ImagePrompts, expand_image_tokens, image_token_id
-    from services.job.prompt_template import PromptTemplate, read_template
+    from services.data.images import ImageRules, prepare_image
+    from services.data.image_prompts import ImagePrompts, expand_image_tokens, image_token_id
+    from services.data.prompt_template import PromptTemplate, read_template
 
     template = PromptTemplate(AutoTokenizer.from_pretrained(model_dir),
                               read_template(str(Path(__file__).resolve().parents[1] / "recipes/prompts/clevr_cot.txt")))

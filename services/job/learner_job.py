@@ -21,16 +21,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol import PromptRequest, encode
-from rollout.images import ImageRules
+from services.data.learner_images import LearnerImages
+from services.data.prompt_source import PromptSource, validation_prompts
 from services.job.batch_stats import batch_stats
 from services.job.buffer import BufferedGroup
 from services.job.channel import ChannelTimeout, TrajectoryChannel
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.failures import FailureLog
-from services.job.image_prompts import image_inputs, vision_token_ids
 from services.job.parity import ParityProbe, fixed_sequences
 from services.job.prompt_book import PromptBook, Undelivered
-from services.job.prompt_source import PromptSource, validation_prompts
 from services.job.run_log import RunLog, StepTimer
 from services.job.skips import SkippedSteps
 from services.job.validation import Validator
@@ -69,8 +68,7 @@ class LearnerJob:
                                if g.use_dynamic_sampling else None, reward_scaling=g.reward_scaling,
                                failures=FailureLog(run_dir, recipe.data.env_name or recipe.env.reward_fn,
                                                    g.num_generations_per_prompt))
-        self.image_rules = ImageRules.from_pretrained(model_path) if recipe.data.image_key is not None else None
-        self.vision_tokens = vision_token_ids(model_path) if self.image_rules is not None else frozenset()
+        self.images = LearnerImages.of(recipe.data, model_path)  # services.data.learner_images (text data: none)
         self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
         self.version = learner.version()
@@ -86,7 +84,7 @@ class LearnerJob:
             if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
             self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
-        if not self.parity.sequences or self.image_rules is not None:  # images are not in checkpoints: rebuilt
+        if not self.parity.sequences or self.images.in_use:  # images are not in checkpoints: rebuilt
             self._parity_set(recipe.logger.parity_probe_sequences, recipe.policy.max_total_sequence_length)
         pool.attach.remote(self.id, self.channel).result(timeout_s=60)
 
@@ -172,7 +170,8 @@ class LearnerJob:
         # way, whether or not it was killed and resumed in between.
         buffered = sorted(buffered, key=lambda b: (b.group.scheduled_step, b.group.prompt_id))
         ages = [self.version - b.group.oldest_version for b in buffered]  # version at the start of the step
-        metrics = self.learner.train_step([ray.put(b.data) for b in buffered], self._images(buffered))
+        metrics = self.learner.train_step([ray.put(b.data) for b in buffered], self.images.step_inputs(
+            [(b.group, self.book.open_requests[b.group.prompt_id]) for b in buffered]))
         self.version = self.learner.version()
         self.book.settle(buffered, trained=not self.skips.record(metrics))
         metrics["trajectory_ages"] = ages
@@ -289,27 +288,8 @@ class LearnerJob:
         """The probe's fixed sequences from the first prompts in row order, with their images (if any)."""
         first = self.book.source.first_prompts(n + 1)
         self.parity.sequences = fixed_sequences([p.prompt_ids for p in first], n, max_len,
-                                                leave_out=self.vision_tokens)
-        if self.image_rules is not None and first:
-            self.parity.images = [first[i % len(first)].images for i in range(n)]
-            self.parity.image_inputs = [image_inputs(im, self.image_rules) if im else None
-                                        for im in self.parity.images]
-
-    def _images(self, buffered: list[BufferedGroup]) -> dict | None:
-        """The learner's image inputs of the groups' prompts, by prompt id, made from the pixels their prompts
-        carried to the engine (None for text data)."""
-        if self.image_rules is None:
-            return None
-        out = {}
-        for b in buffered:
-            request = self.book.open_requests[b.group.prompt_id]
-            sent = tuple(i.sha256 for i in request.images)
-            if b.group.image_ids != sent:
-                raise ValueError(f"group {b.group.group_id}: image_ids {list(b.group.image_ids)} are not its "
-                                 f"prompt's images {list(sent)}")
-            if request.images:
-                out[request.prompt_id] = image_inputs(request.images, self.image_rules)
-        return out
+                                                leave_out=self.images.vision_tokens)
+        self.parity.images, self.parity.image_inputs = self.images.probe_images(first, n)
 
     # ------------------------------------------------------------ internals
     def _resume(self) -> None:

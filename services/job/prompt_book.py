@@ -26,12 +26,12 @@ from typing import cast
 
 from learner.config import RewardScalingConfig
 from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
+from services.data.prompt_source import DataExhausted, PromptSource
 from services.job.backoff import ReplacementBackoff
 from services.job.batch_stats import zero_advantage
 from services.job.buffer import BufferedGroup, TrajectoryBuffer
 from services.job.failures import FailureLog
 from services.job.ledger import PromptLedger
-from services.job.prompt_source import DataExhausted, PromptSource
 from services.job.skips import DROP_REASON
 
 log = logging.getLogger("inflight.job")

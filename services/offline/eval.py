@@ -3,7 +3,7 @@
     inflight eval --model HF_DIR [--recipe PATH] [--pass-k K] [--temperature T] [--max-prompts N] [--out FILE]
     inflight eval --run-dir DIR [--step N] [...]          (the checkpoint is exported first, once)
 
-The validation prompts are the ones a run validates on (:func:`services.job.prompt_source.validation_prompts`:
+The validation prompts are the ones a run validates on (:func:`services.data.prompt_source.validation_prompts`:
 ``data.val_data_path``, a held-out split or the built-in task's, same templates and chat template); one rollout
 engine in this process (:mod:`services.offline.local_engine`) answers each ``--pass-k`` times (default 1, greedy) and
 scores the answers as training does (reward functions, environment). The table goes to stdout, the JSON file
@@ -80,7 +80,7 @@ def default_out(choice: ModelChoice, k: int) -> Path:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """A LocalEngineError is one line, exit 2 (services.cli.main)."""
-    from services.job.prompt_source import validation_prompts
+    from services.data.prompt_source import validation_prompts
 
     quiet_libraries(args.verbose)
     if args.max_prompts is not None and args.max_prompts < 1:

@@ -5,7 +5,7 @@
 
 Each non-empty line of ``--prompts`` (default: stdin) is one prompt, put through the recipe's
 ``data.prompt_file`` / ``data.system_prompt_file`` and the model's chat template as a run's prompts are
-(:class:`services.job.prompt_template.PromptTemplate`). One rollout engine in this process
+(:class:`services.data.prompt_template.PromptTemplate`). One rollout engine in this process
 (:mod:`services.offline.local_engine`) samples ``-n`` answers of each; they are printed plainly, prompt by prompt.
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from protocol import PromptRequest
-    from services.job.prompt_source import recipe_tools
-    from services.job.prompt_template import PromptTemplate, read_system_prompt, read_template
+    from services.data.prompt_source import recipe_tools
+    from services.data.prompt_template import PromptTemplate, read_system_prompt, read_template
 
     quiet_libraries(args.verbose)
     check_counts(args.num_samples, args.max_tokens, args.temperature)

@@ -7,7 +7,7 @@ its value, what was found and what was expected): the data files or globs (they 
 prompt and system-prompt files, the reward functions and the environment class (imported: a recipe names code,
 run as a script would be, docs/security.md), and the model directory (``config.json`` the learner supports, a
 tokenizer beside it) or ``tiny://`` name. The data are read with the run's own reader
-(:func:`services.job.dataset.load_rows`), so what passes here is what the run reads.
+(:func:`services.data.dataset.load_rows`), so what passes here is what the run reads.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _check_model(policy: PolicyConfig, here: bool, checks: RecipeChecks) -> None
 
 
 def _check_prompt_files(recipe: Recipe, checks: RecipeChecks) -> None:
-    from services.job.prompt_template import read_system_prompt, read_template
+    from services.data.prompt_template import read_system_prompt, read_template
 
     d = recipe.data
     for key, path, read in (("data.prompt_file", d.prompt_file, read_template),
@@ -153,7 +153,7 @@ def _check_data(recipe: Recipe, checks: RecipeChecks) -> None:
 
 def _check_rows(recipe: Recipe, key: str, path: str, split: str | None, checks: RecipeChecks) -> None:
     """The file(s) at ``path`` load, have the mapped columns, and their first rows map to a prompt and answer."""
-    from services.job.dataset import InvalidRow, RowMapper, load_rows, split_rows
+    from services.data.dataset import InvalidRow, RowMapper, load_rows, split_rows
 
     d = recipe.data
     try:

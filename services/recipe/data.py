@@ -3,18 +3,15 @@
 same; docs/configuration.md lists each key with its NeMo-RL counterpart."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from protocol.config_base import ConfigModel
 
-if TYPE_CHECKING:
-    from rollout.image_pool import ImagePool
-    from rollout.images import ImageRef
-
 BUILTIN_DATASETS = ("repeat_letter", "arithmetic")
-"""Prompt sets generated in process from ``grpo.seed`` (:mod:`rollout.tasks`)."""
+"""Prompt sets generated in process from ``grpo.seed`` (:mod:`services.data.tasks`)."""
 HUB_PREFIX = "hf://"
 """A data path ``hf://<owner>/<name>`` names a Hugging Face Hub dataset."""
 MATH_VERIFY_IMPLS = {"hf_math_verify": "math_verify", "dapo_math_verify": "dapo_math_verify"}
@@ -88,7 +85,7 @@ class DataConfig(ConfigModel):
     own columns."""
     image_workers: int = Field(default=8, ge=1, le=64)
     """Worker processes that prepare images (decode, validate, resize and patchify by the model's image processor
-    rules; ``rollout/image_pool.py``); 8 is the seed's cap. Inflight's key."""
+    rules; ``services/data/image_pool.py``); 8 is the seed's cap. Inflight's key."""
     image_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     """Deadline for preparing one image; past it its worker is killed and the image fails, counted."""
     max_image_bytes: int = Field(default=32 * 2**20, ge=1, le=2**31)
@@ -101,25 +98,10 @@ class DataConfig(ConfigModel):
     directory, or the ``save_to_disk`` directory); a path whose real path (symlinks resolved) is elsewhere fails,
     counted (``outside_root``). Inflight's key (docs/security.md)."""
 
-    def image_pool(self, model_dir: str) -> ImagePool:
-        """A :class:`rollout.image_pool.ImagePool` of these settings, with the image processor rules of
-        ``model_dir`` (its ``preprocessor_config.json``)."""
-        import os
-
-        from rollout.image_pool import ImagePool
-        from rollout.images import ImageLimits, ImageRules
-
-        for k, root in enumerate(self.image_roots):
-            if not os.path.isdir(root):
-                raise ValueError(f"data.image_roots[{k}] {root!r}: not a directory")
-        roots = tuple(os.path.realpath(r) for r in self.image_roots)
-        return ImagePool(ImageRules.from_pretrained(model_dir), ImageLimits(self.max_image_bytes,
-                                                                            self.max_image_pixels, roots),
-                         num_workers=self.image_workers, timeout_s=self.image_timeout_s)
-
-    def row_images(self, row: dict) -> list[ImageRef]:
-        """The image references of ``row`` (``image_key``'s value: one, or a list); [] for text rows or an empty
-        cell."""
+    def row_images(self, row: dict) -> list[str | bytes | Mapping[str, object]]:
+        """The image references of ``row`` (``image_key``'s value: one, or a list; each an
+        :data:`services.data.image_refs.ImageRef`); [] for text rows or an empty cell. The data wing's
+        :meth:`services.data.image_pool.ImagePool.for_data` prepares them."""
         value = row.get(self.image_key) if self.image_key is not None else None
         return [] if value is None else list(value) if isinstance(value, list) else [value]
 

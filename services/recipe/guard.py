@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rollout.regular_file import FileRefused, read_regular_file
+from services.recipe.regular_file import FileRefused, read_regular_file
 
 MAX_RECIPE_BYTES = 1 << 20
 """Largest recipe file read (1 MiB; NeMo-RL's largest recipes are ~20 KiB)."""

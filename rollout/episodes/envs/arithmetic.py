@@ -4,7 +4,7 @@ A problem is an integer expression of 2 or 3 operations ("Compute (3 + 5) * 7. Y
 tool."); its task is ``{"answer": <int>, "expression": <str>}``. :class:`CalculatorArithmetic` is
 :class:`~rollout.episodes.tool_calls.ToolEnvironment` with the calculator and ``math_exact`` on the final answer, built
 from plain keyword arguments -- what a recipe's ``environment: tool_calls`` with ``tools: [calculator]`` and
-``reward_functions: [{name: math_exact}]`` builds too. ``rollout.tasks`` makes the prompt set
+``reward_functions: [{name: math_exact}]`` builds too. ``services.data.tasks`` makes the prompt set
 (``multi_step_arithmetic``), with the tool described by the chat template's ``tools``.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ to score well. A round's score is ``repeat_letter``'s: the fraction of the turn'
 token set (``task["target_token_ids_<letter>"]``, comma-separated ids, as ``repeat_letter``'s
 ``target_token_ids``); the reward is the mean over the rounds, given on the last one -- or on a turn the engine
 says is its last (``Turn.final``), where rounds not played score 0. Every token set comes from the task, so the
-class never loads a tokenizer (``rollout.tasks`` builds the tasks from ``repeat_targets(tokenizer)``).
+class never loads a tokenizer (``services.data.tasks`` builds the tasks from ``repeat_targets(tokenizer)``).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from protocol.weight_transfer import WeightTransferGroup
-from rollout.tasks import make_prompts
+from services.data.tasks import make_prompts
 from rollout.install.weight_receiver import WeightUpdateError
 from services.cluster.head import free_port
 

@@ -67,7 +67,7 @@ class _Run:
 
     def __init__(self, engine):
         from learner.ipc_export import IpcExporter
-        from rollout.tasks import make_prompts
+        from services.data.tasks import make_prompts
 
         self.engine, self.loop = engine, asyncio.new_event_loop()
         self.run(engine.start())

@@ -16,7 +16,7 @@ import pytest
 
 from model_weights import model_tensors
 from protocol import pack_buckets
-from rollout.tasks import make_prompts
+from services.data.tasks import make_prompts
 
 from rollout_engine_helpers import GROUP_SIZE, push_model
 

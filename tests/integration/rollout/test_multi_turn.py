@@ -16,7 +16,7 @@ from learner.config import TrainStepConfig
 from protocol import TrajectoryGroup, decode, encode
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import EnvStep, Message, Turn, as_async
-from rollout.tasks import make_prompts
+from services.data.tasks import make_prompts
 
 from rollout_engine_helpers import push_model
 

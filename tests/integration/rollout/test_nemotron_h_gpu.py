@@ -120,7 +120,7 @@ class Serving:
 
 def _requests(tokenizer, vocab: int):
     from protocol import PromptRequest
-    from rollout.tasks import make_prompts
+    from services.data.tasks import make_prompts
 
     long_prompt = np.random.default_rng(0).integers(3, vocab - 64, size=300)
     return [*make_prompts("repeat_letter", tokenizer, 4, seed=0),

@@ -11,7 +11,7 @@ import torch
 
 from protocol import pack_buckets
 from rollout.rewards.registry import RewardFailure
-from rollout.tasks import make_prompts
+from services.data.tasks import make_prompts
 from rollout.install.weight_receiver import WeightUpdateError
 
 from model_weights import model_tensors

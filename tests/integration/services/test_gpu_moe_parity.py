@@ -51,7 +51,7 @@ def test_parity_probe_passes_reload_weights_and_stops_plain_load_weights(tmp_pat
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
     from rollout.rewards.registry import get_reward_fn
-    from rollout.tasks import make_prompts
+    from services.data.tasks import make_prompts
     from services.job.parity import ParityError, check_parity, parity_stats
     from services.models.tiny_model import make_tiny_model
 

@@ -52,9 +52,10 @@ def prompts(vlm_dir):
     from PIL import Image
     from transformers import AutoTokenizer
 
+    from services.data.image_pool import ImagePool
+    from services.data.image_prompts import ImagePrompts, image_token_id
+    from services.data.prompt_template import PromptTemplate
     from services.recipe.data import DataConfig
-    from services.job.image_prompts import ImagePrompts, image_token_id
-    from services.job.prompt_template import PromptTemplate
 
     rng = np.random.default_rng(0)
     rows = []
@@ -63,7 +64,7 @@ def prompts(vlm_dir):
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
         rows.append({"image": buf.getvalue()})
     d = DataConfig(image_key="image", image_workers=2)
-    images = ImagePrompts(d.image_pool(vlm_dir), d.row_images, image_token_id(vlm_dir))
+    images = ImagePrompts(ImagePool.for_data(d, vlm_dir), d.row_images, image_token_id(vlm_dir))
     template = PromptTemplate(AutoTokenizer.from_pretrained(vlm_dir))
     out = []
     try:
@@ -79,8 +80,8 @@ def prompts(vlm_dir):
 
 
 def image_inputs_of(requests, vlm_dir):
-    from rollout.images import ImageRules
-    from services.job.image_prompts import image_inputs
+    from services.data.image_prompts import image_inputs
+    from services.data.images import ImageRules
 
     rules = ImageRules.from_pretrained(vlm_dir)
     return [image_inputs(r.images, rules) for r in requests]

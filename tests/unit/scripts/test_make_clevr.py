@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from services.data.dataset import RowMapper, load_rows
+from services.data.image_pool import ImagePool
 from services.recipe.data import DataConfig
-from services.job.dataset import RowMapper, load_rows
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "make_clevr.py"
 
@@ -115,7 +116,7 @@ def test_rows_load_through_the_data_loader_and_their_images_prepare(tmp_path):
         assert mapped[0].text == _rows(files / "train.jsonl")[0]["input"]
         refs = [ref for i in range(len(rows)) for ref in data.row_images(rows.row(i))]
         assert len(refs) == len(rows)
-        with data.image_pool(proc) as pool:
+        with ImagePool.for_data(data, proc) as pool:
             prepared = pool.prepare(refs, base_dir=str(path.parent))
             assert pool.counts.prepared == len(rows) and not pool.counts.failed
             assert pool.counts.deduplicated >= len(rows) // 2 - 1  # two questions per scene

@@ -6,10 +6,10 @@ import pytest
 
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import Message
-from rollout.tasks import make_prompts
+from services.data.tasks import make_prompts
 from services.recipe.config import RecipeError, load_recipe
-from services.job.prompt_source import PromptSource, validation_prompts
-from services.job.prompt_template import PromptTemplate
+from services.data.prompt_source import PromptSource, validation_prompts
+from services.data.prompt_template import PromptTemplate
 from services.pool.engine_actor import EngineActor, EngineSpec
 
 THINKING_TEMPLATE = (

@@ -109,11 +109,13 @@ NEVER_IMPORTS = {
     "rollout/install": ("rollout.engine", "rollout.sampling", "rollout.episodes", "rollout.rewards"),
     "rollout/episodes": ("rollout.engine", "rollout.sampling", "rollout.install"),
     "rollout/rewards": ("rollout.engine", "rollout.sampling", "rollout.install", "rollout.episodes"),
+    "services/data": ("services.pool", "services.job"),
 }
 """Wings and what they never import, anywhere in their modules. rollout's wings (docs/rollout.md): the engine core
 (``engine``, ``sampling``) drives them and they never import it back -- an episode reaches the sampler only
 through ``rollout.episodes.turn_sampler.TurnSampler`` --; between the wings only the episodes use the rewards
-(no circle)."""
+(no circle). services/data (docs/architecture.md): the job and the pool may use the data wing, never the other
+way."""
 
 
 @pytest.mark.parametrize("wing", sorted(NEVER_IMPORTS))

@@ -10,7 +10,7 @@ from services.job.channel import ChannelTimeout
 from services.recipe.config import load_recipe
 from services.job import learner_job
 from services.job.learner_job import LearnerJob
-from services.job.prompt_source import PromptSource
+from services.data.prompt_source import PromptSource
 from handle_fakes import ServeMethod
 
 

@@ -7,7 +7,7 @@ from job_fakes import group, prompts
 from protocol import ControlMessage, PromptRequest, decode, encode
 from services.job.backoff import ReplacementBackoff
 from services.job.prompt_book import PromptBook, Undelivered
-from services.job.prompt_source import PromptSource
+from services.data.prompt_source import PromptSource
 
 
 def book_of(last_step: int = 10, max_age: int = 1) -> tuple[PromptBook, list[list[str]]]:
@@ -134,7 +134,7 @@ def test_the_run_ends_at_the_last_step_the_data_epochs_can_fill_and_replacements
     from job_fakes import prompts as make_prompts
 
     from services.job.prompt_book import PromptBook
-    from services.job.prompt_source import PromptSource
+    from services.data.prompt_source import PromptSource
 
     submitted: list[str] = []
     source = PromptSource(make_prompts(10), seed=0, max_epochs=1)       # 10 prompts, one epoch: two steps of 4
@@ -154,7 +154,7 @@ def test_data_too_small_for_one_step_is_an_error():
     from job_fakes import prompts as make_prompts
 
     from services.job.prompt_book import PromptBook
-    from services.job.prompt_source import PromptSource
+    from services.data.prompt_source import PromptSource
 
     book = PromptBook(PromptSource(make_prompts(3), seed=0, max_epochs=1), lambda reqs: None, per_step=4,
                       last_step=5, max_age=1)

@@ -9,7 +9,7 @@ from job_fakes import prompts
 
 from protocol import Trajectory, TrajectoryGroup, encode
 from services.job.prompt_book import PromptBook
-from services.job.prompt_source import PromptSource
+from services.data.prompt_source import PromptSource
 
 
 def rewarded(pid: str, rewards: Sequence[float | None], step: int = 1) -> TrajectoryGroup:

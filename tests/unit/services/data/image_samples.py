@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 from PIL import Image
 
-from rollout.images import ImageLimits, ImageRules
+from services.data.images import ImageLimits, ImageRules
 
 RULES = ImageRules(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
 """The tiny VLM's budget (services/models/tiny_vlm.py): 4 to 16 image tokens."""

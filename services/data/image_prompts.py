@@ -1,7 +1,7 @@
 """A data row's images in its prompt: prepared in the image pool, shown in the user turn, their tokens expanded.
 
 For a vision-language model (``data.image_key`` set) each drawn row's images are prepared by
-:class:`rollout.image_pool.ImagePool` (``data.image_workers`` processes). The first user turn's content becomes a
+:class:`services.data.image_pool.ImagePool` (``data.image_workers`` processes). The first user turn's content becomes a
 list of parts, one ``{"type": "image"}`` per image and then the text, which the model's chat template renders as
 ``<|vision_start|><|image_pad|><|vision_end|>``; each ``<|image_pad|>`` is then repeated to the image's token
 count, so the prompt's token ids are the ones the engine and the learner both see. The prompt carries the
@@ -23,15 +23,15 @@ from protocol.images import PromptImage
 
 if TYPE_CHECKING:
     from learner.mrope_positions import ImageInputs
-    from rollout.image_pool import ImagePool
-    from rollout.images import ImageRef, ImageRules, PreparedImage
+    from services.data.image_pool import ImagePool
+    from services.data.images import ImageRef, ImageRules, PreparedImage
 
 IMAGE_PAD = "<|image_pad|>"
 """The Qwen2-VL family's image placeholder token."""
 
 
 class BadImage(Exception):
-    """A row's image cannot be used (:class:`rollout.images.ImageFailure`): the row is skipped and counted."""
+    """A row's image cannot be used (:class:`services.data.images.ImageFailure`): the row is skipped and counted."""
 
     def __init__(self, kind: str, reason: str):
         super().__init__(f"image {kind}: {reason}")
@@ -70,7 +70,7 @@ class ImagePrompts:
     def prepare(self, row: dict, base_dir: str | None) -> list[PreparedImage]:
         """The row's images, prepared; :class:`BadImage` for the first that cannot be used (the prompt source counts
         it)."""
-        from rollout.images import ImageFailure
+        from services.data.images import ImageFailure
 
         refs = self.refs_of(row)
         if not refs:
@@ -123,7 +123,7 @@ def expand_image_tokens(ids: Sequence[int], images: Sequence[PreparedImage], tok
 def image_inputs(images: Sequence[PromptImage], rules: ImageRules) -> ImageInputs:
     """The learner's inputs for a prompt's images, made from the pixels the engine was given."""
     from learner.mrope_positions import ImageInputs
-    from rollout.images import process_pixels
+    from services.data.images import process_pixels
 
     processed = [process_pixels(i.pixels, rules) for i in images]
     return ImageInputs(np.concatenate([p for p, _ in processed]), np.stack([g for _, g in processed]))

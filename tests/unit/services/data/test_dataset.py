@@ -1,12 +1,12 @@
-"""Rows read through ``datasets`` and mapped to prompts (services/job/dataset.py, prompt_template.py)."""
+"""Rows read through ``datasets`` and mapped to prompts (services/data/dataset.py, prompt_template.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from services.job.dataset import DataError, InvalidRow, RowMapper, load_rows, metadata_value
-from services.job.prompt_template import PromptTemplate, read_template
+from services.data.dataset import DataError, InvalidRow, RowMapper, load_rows, metadata_value
+from services.data.prompt_template import PromptTemplate, read_template
 
 MAPPER = RowMapper("input", "output", "messages")
 

@@ -5,9 +5,9 @@ A data row names an image by a path, a ``data:image/...;base64,`` URI, the bytes
 A path is read only when its real path (symlinks resolved) lies inside the data's own directory (``base_dir``: the
 data file's directory or the ``save_to_disk`` directory) or one of :attr:`ImageLimits.roots` (``data.image_roots``):
 ``../x.png``, ``/etc/passwd`` and a symlink to outside fail with ``outside_root`` without being opened. Only a
-regular file is read, never more than ``max_bytes + 1`` bytes of it (:mod:`rollout.regular_file`: a FIFO, a device
-such as ``/dev/zero``, a directory fail with ``not_a_file``).
-Which decoders may then look at the bytes is :data:`IMAGE_FORMATS` (``rollout.images``).
+regular file is read, never more than ``max_bytes + 1`` bytes of it (:mod:`services.recipe.regular_file`: a FIFO,
+a device such as ``/dev/zero``, a directory fail with ``not_a_file``).
+Which decoders may then look at the bytes is :data:`IMAGE_FORMATS` (``services.data.images``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rollout.regular_file import FileRefused, read_regular_file
+from services.recipe.regular_file import FileRefused, read_regular_file
 
 ImageRef = str | bytes | Mapping[str, object]
 """How a dataset row names an image: a file path (relative ones against the data file's directory), a

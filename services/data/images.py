@@ -5,11 +5,11 @@ patchify it by the model's image processor rules, and name it by the sha256 of i
 :data:`FAILURE_KINDS` and whose ``reason`` says what was wrong (a missing or empty file, a file over
 ``max_bytes``, bytes that are not an image, a truncated or corrupt file, dimensions over ``max_pixels`` or an aspect
 ratio over 200, a pixel mode with no faithful RGB conversion such as 16-bit or float, a path outside the data's
-directory tree or not a regular file (:mod:`rollout.image_refs`), a format outside :data:`IMAGE_FORMATS`, or
+directory tree or not a regular file (:mod:`services.data.image_refs`), a format outside :data:`IMAGE_FORMATS`, or
 whatever else a decoder raises). A good one becomes a
 :class:`PreparedImage` holding exactly what ``Qwen2VLImageProcessorPil`` returns for it (``pixel_values``,
 ``image_grid_thw``; a unit test compares them) plus its content hash, its sizes and its image-token count.
-:mod:`rollout.image_pool` runs this in worker processes.
+:mod:`services.data.image_pool` runs this in worker processes.
 
 The rules (:class:`ImageRules`, read from the model's ``preprocessor_config.json``): the image is resized to the
 nearest height and width that are multiples of ``patch_size * merge_size`` (28) with the aspect ratio kept, then
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout.image_refs import (
+from services.data.image_refs import (
     DEFAULT_LIMITS,
     FAILURE_KINDS,
     IMAGE_FORMATS,

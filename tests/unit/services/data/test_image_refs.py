@@ -1,4 +1,4 @@
-"""Where an image reference may point (rollout/image_refs.py, issue 32.1): only into the data's directory tree or
+"""Where an image reference may point (services/data/image_refs.py, issue 32.1): only into the data's directory tree or
 ``data.image_roots`` (``../``, absolute paths and symlinks to outside are refused unopened), only regular files
 (a FIFO or ``/dev/zero`` neither blocks nor fills memory), bounded in size before reading, decoded only as an
 accepted format (an EPS named ``.png`` never reaches Ghostscript), and a decoder's own exception is the image's
@@ -12,7 +12,7 @@ import threading
 import pytest
 from image_samples import RULES, encoded, noise
 
-from rollout.images import ImageFailure, ImageLimits, PreparedImage, prepare_image
+from services.data.images import ImageFailure, ImageLimits, PreparedImage, prepare_image
 
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\n%%EndComments\n"
        b"newpath 0 0 moveto 32 32 lineto stroke\nshowpage\n%%EOF\n")
@@ -112,16 +112,18 @@ def test_a_decoders_own_exception_is_the_images_failure(monkeypatch):
 
 
 def test_data_image_roots_reach_the_pool_as_real_paths(data, tmp_path):
+    from services.data.image_pool import ImagePool
     from services.recipe.data import DataConfig
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "preprocessor_config.json").write_text('{"image_processor_type": "Qwen2VLImageProcessor"}')
     os.symlink(data.parent, tmp_path / "link")
-    pool = DataConfig(image_key="image", image_roots=[str(tmp_path / "link")]).image_pool(str(tmp_path / "model"))
+    pool = ImagePool.for_data(DataConfig(image_key="image", image_roots=[str(tmp_path / "link")]),
+                              str(tmp_path / "model"))
     assert pool.limits.roots == (str(data.parent.resolve()),)
     with pytest.raises(ValueError, match=r"data.image_roots\[1\] '.*nowhere': not a directory"):
-        DataConfig(image_key="image", image_roots=[str(data), str(tmp_path / "nowhere")]).image_pool(
-            str(tmp_path / "model"))
+        ImagePool.for_data(DataConfig(image_key="image", image_roots=[str(data), str(tmp_path / "nowhere")]),
+                           str(tmp_path / "model"))
 
 
 def test_a_datasets_image_column_is_not_decoded_by_datasets(tmp_path, monkeypatch):
@@ -130,7 +132,7 @@ def test_a_datasets_image_column_is_not_decoded_by_datasets(tmp_path, monkeypatc
     import datasets
     from PIL import EpsImagePlugin
 
-    from services.job.dataset import RowMapper, load_rows
+    from services.data.dataset import RowMapper, load_rows
 
     calls: list[object] = []
     monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: calls.append(a) or 1 / 0)

@@ -1,4 +1,4 @@
-"""The seeded, resumable prompt stream (services/job/prompt_source.py): built-in lists and data-file rows."""
+"""The seeded, resumable prompt stream (services/data/prompt_source.py): built-in lists and data-file rows."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from test_dataset import ChatTokenizer
 
 from protocol import PromptRequest
 from services.recipe.config import load_recipe
-from services.job.dataset import DataError, RowMapper, load_rows
-from services.job.prompt_source import DataExhausted, PromptSource, RowPrompts, validation_prompts
-from services.job.prompt_template import PromptTemplate
+from services.data.dataset import DataError, RowMapper, load_rows
+from services.data.prompt_source import DataExhausted, PromptSource, RowPrompts, validation_prompts
+from services.data.prompt_template import PromptTemplate
 
 
 def _prompts(n):

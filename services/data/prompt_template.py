@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.tasks import chat_ids
+from services.data.tasks import chat_ids
 
 
 def read_template(path: str | None) -> str | None:

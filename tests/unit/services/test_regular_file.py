@@ -1,4 +1,4 @@
-"""rollout.regular_file: only a regular file is read, without blocking, and never past its bound."""
+"""services.recipe.regular_file: only a regular file is read, without blocking, and never past its bound."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rollout.regular_file import FileRefused, read_regular_file
+from services.recipe.regular_file import FileRefused, read_regular_file
 
 
 def test_a_regular_file_within_the_bound_is_read_whole(tmp_path):

@@ -6,7 +6,7 @@ written by ``datasets.Dataset.save_to_disk``, or a Hugging Face Hub dataset ``hf
 ``datasets.load_dataset`` at run time; without the Hub or a cached copy it fails, naming the dataset). Row ``i`` of
 :class:`Rows` is row ``i`` of the files in sorted order; errors name the file and the row within it (0-based),
 and for JSONL the line (a line that is not UTF-8 or not JSON, a glob whose files give a column different types:
-services/job/data_errors.py).
+services/data/data_errors.py).
 :func:`split_rows` holds out a seeded share of the rows (``data.split_validation_size``): both parts keep the
 file's row numbers.
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from protocol.fields import MAX_STRING_CHARS
-from services.job.data_errors import bad_json_line, line_of_row, type_mismatch, undecodable_column
+from services.data.data_errors import bad_json_line, line_of_row, type_mismatch, undecodable_column
 from services.recipe.data import HUB_PREFIX, DataConfig, hub_id
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -9,8 +9,8 @@ import pytest
 from test_dataset import ChatTokenizer
 
 from services.recipe.config import load_recipe
-from services.job.dataset import DataError, load_rows
-from services.job.prompt_source import PromptSource, TooLong, row_prompts
+from services.data.dataset import DataError, load_rows
+from services.data.prompt_source import PromptSource, TooLong, row_prompts
 
 GOOD = b'{"input": "q", "output": "1"}\n'
 

@@ -1,4 +1,4 @@
-"""The image worker pool (rollout/image_pool.py) with real worker processes: a batch of good and bad images comes
+"""The image worker pool (services/data/image_pool.py) with real worker processes: a batch of good and bad images comes
 back in order, equal to preparing each in process, with every failure counted by kind and nothing raised; repeats
 are prepared once; the queue stays bounded; a deadline and a dying worker fail one image and the pool goes on;
 closing stops the workers."""
@@ -14,8 +14,8 @@ import pytest
 from image_samples import RULES, KillsItsWorker, bad_images, data_limits, encoded, noise
 from PIL import Image
 
-from rollout.image_pool import ImagePool
-from rollout.images import ImageFailure, ImageLimits, PreparedImage, prepare_image
+from services.data.image_pool import ImagePool
+from services.data.images import ImageFailure, ImageLimits, PreparedImage, prepare_image
 
 
 def test_a_mixed_batch_comes_back_in_order_and_failures_are_counted(tmp_path):

@@ -1,5 +1,5 @@
-"""A data row's images in its prompt (services/job/image_prompts.py) and the image handling of the prompt source
-(services/job/prompt_source.py) and the row mapping (services/job/dataset.py), on a tiny Qwen2.5-VL and CLEVR-style
+"""A data row's images in its prompt (services/data/image_prompts.py) and the image handling of the prompt source
+(services/data/prompt_source.py) and the row mapping (services/data/dataset.py), on a tiny Qwen2.5-VL and CLEVR-style
 rows drawn by scripts/make_clevr.py; images are prepared by a real one-worker image pool."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from protocol import PromptRequest, decode, encode
-from rollout.images import ImageRules, prepare_image
+from services.data.images import ImageRules, prepare_image
 from services.recipe.config import load_recipe
-from services.job.dataset import RowMapper, load_rows
-from services.job.image_prompts import IMAGE_PAD, BadImage, ImagePrompts, image_inputs, image_token_id, vision_token_ids
-from services.job.prompt_source import DataExhausted, PromptSource, image_prompts, row_prompts, validation_prompts
+from services.data.dataset import RowMapper, load_rows
+from services.data.image_prompts import IMAGE_PAD, BadImage, ImagePrompts, image_inputs, image_token_id, vision_token_ids
+from services.data.prompt_source import DataExhausted, PromptSource, image_prompts, row_prompts, validation_prompts
 
 ROOT = Path(__file__).resolve().parents[4]
 

@@ -10,7 +10,7 @@ from rollout.episodes.calculator import CALCULATOR, evaluate
 from rollout.episodes.environment import Turn
 from rollout.episodes.envs.letter_relay import LetterRelay
 from rollout.rewards.registry import RewardInput, math_exact, repeat_letter
-from rollout.tasks import MAX_REPEAT_TARGETS, RELAY_ROUNDS, make_prompts, repeat_targets
+from services.data.tasks import MAX_REPEAT_TARGETS, RELAY_ROUNDS, make_prompts, repeat_targets
 
 
 @pytest.fixture(scope="module")

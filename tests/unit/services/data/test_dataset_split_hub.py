@@ -1,6 +1,6 @@
 """``data.split_validation_size`` (a seeded hold-out of the training rows, NeMo-RL's ``train_test_split``), Hub
 datasets ``hf://<owner>/<name>`` (offline: an error naming the dataset), dotted column paths and
-``data.task_columns`` (services/job/dataset.py, prompt_source.py)."""
+``data.task_columns`` (services/data/dataset.py, prompt_source.py)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import pytest
 from test_dataset import ChatTokenizer
 
 from services.recipe.config import RecipeError, load_recipe
-from services.job.dataset import DataError, RowMapper, load_rows, lookup, split_rows
-from services.job.prompt_source import PromptSource, row_prompts, validation_prompts
+from services.data.dataset import DataError, RowMapper, load_rows, lookup, split_rows
+from services.data.prompt_source import PromptSource, row_prompts, validation_prompts
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -110,7 +110,7 @@ def test_hub_path_is_checked_without_the_network():
 
 
 def test_hub_dataset_offline_without_cache_names_the_dataset(tmp_path):
-    code = ("from services.job.dataset import load_rows\n"
+    code = ("from services.data.dataset import load_rows\n"
             "try:\n"
             "    load_rows('hf://nvidia/OpenMathInstruct-2', split='train_1M')\n"
             "except Exception as e:\n"

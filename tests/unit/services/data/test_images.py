@@ -1,4 +1,4 @@
-"""Image preparation (rollout/images.py) on real generated images: the outputs equal transformers' Qwen2-VL PIL
+"""Image preparation (services/data/images.py) on real generated images: the outputs equal transformers' Qwen2-VL PIL
 image processor bit for bit, every reference form reads, every bad-image kind fails alone with its reason, and a
 batch concatenates without padding."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from image_samples import RULES, bad_images, encoded, forged_png_header, noise
 from PIL import Image
 
-from rollout.images import FAILURE_KINDS, ImageFailure, ImageRules, PreparedImage, batch_images, prepare_image
+from services.data.images import FAILURE_KINDS, ImageFailure, ImageRules, PreparedImage, batch_images, prepare_image
 
 
 def hf_processor(rules: ImageRules):

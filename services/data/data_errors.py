@@ -2,7 +2,7 @@
 the line a row came from, the column of a row that is not UTF-8, and the file, column and row of a glob whose files
 give one column different types.
 
-Hugging Face ``datasets`` reads the files (services/job/dataset.py); these functions run only once it has failed,
+Hugging Face ``datasets`` reads the files (services/data/dataset.py); these functions run only once it has failed,
 and re-read just enough of the file to name the place (``datasets`` itself names neither file nor line).
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A bounded pool of worker processes that prepare images (:func:`rollout.images.prepare_image`), the seed's
+"""A bounded pool of worker processes that prepare images (:func:`services.data.images.prepare_image`), the seed's
 parallel image preparation (``data.image_workers``, default 8).
 
 :meth:`ImagePool.prepare` takes a batch of image references and returns, in the same order, a
-:class:`~rollout.images.PreparedImage` or an :class:`~rollout.images.ImageFailure` for each: a bad image fails
-alone, with its reason, and is counted by kind (:attr:`ImagePool.counts`); nothing a worker does raises out of
+:class:`~services.data.images.PreparedImage` or an :class:`~services.data.images.ImageFailure` for each: a bad image
+fails alone, with its reason, and is counted by kind (:attr:`ImagePool.counts`); nothing a worker does raises out of
 ``prepare``. At most ``max_in_flight`` images are queued to the workers at once (the rest wait in the caller), so a
 large batch never holds more than that many decoded images in the pool's queues. Identical references in one batch
 are prepared once. Each image has a deadline (``timeout_s``, from when a worker starts it): past it the worker is
@@ -31,10 +31,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollout.images import ImageFailure, ImageLimits, ImageRef, ImageRules, PreparedImage, prepare_image
+from services.data.images import ImageFailure, ImageLimits, ImageRef, ImageRules, PreparedImage, prepare_image
+
+if TYPE_CHECKING:
+    from services.recipe.data import DataConfig
 
 ImageResult = PreparedImage | ImageFailure
 SHARED_MEMORY = "/dev/shm"
@@ -68,7 +72,7 @@ class ImageCounts:
 
     prepared: int = 0
     failed: Counter[str] = field(default_factory=Counter)
-    """Failures by :data:`~rollout.images.FAILURE_KINDS`."""
+    """Failures by :data:`~services.data.images.FAILURE_KINDS`."""
     deduplicated: int = 0
     """References that repeated an earlier one of their batch and were not prepared again."""
     peak_in_flight: int = 0
@@ -94,6 +98,18 @@ class ImagePool:
         self._pool = None
         self._dir: str | None = None
         self._names = itertools.count()
+
+    @classmethod
+    def for_data(cls, data: DataConfig, model_dir: str) -> ImagePool:
+        """A pool of the ``data`` section's settings (workers, deadline, limits, ``image_roots``), with the image
+        processor rules of ``model_dir`` (its ``preprocessor_config.json``)."""
+        for k, root in enumerate(data.image_roots):
+            if not os.path.isdir(root):
+                raise ValueError(f"data.image_roots[{k}] {root!r}: not a directory")
+        roots = tuple(os.path.realpath(r) for r in data.image_roots)
+        return cls(ImageRules.from_pretrained(model_dir), ImageLimits(data.max_image_bytes, data.max_image_pixels,
+                                                                      roots),
+                   num_workers=data.image_workers, timeout_s=data.image_timeout_s)
 
     def __enter__(self) -> ImagePool:
         return self
