@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol import PromptRequest, encode
+from protocol.pool_replies import UndeliveredPrompt
 from services.data.learner_images import LearnerImages
 from services.data.prompt_source import PromptSource, validation_prompts
 from services.job.batch_stats import batch_stats
@@ -29,7 +30,7 @@ from services.job.channel import ChannelTimeout, TrajectoryChannel
 from services.job.checkpoints import Checkpoints, JobState
 from services.job.failures import FailureLog
 from services.job.parity import ParityProbe, fixed_sequences
-from services.job.prompt_book import PromptBook, Undelivered
+from services.job.prompt_book import PromptBook
 from services.job.run_log import RunLog, StepTimer
 from services.job.skips import SkippedSteps
 from services.job.validation import Validator
@@ -158,8 +159,8 @@ class LearnerJob:
     def drop_undelivered(self) -> int:
         """Drop and replace the open prompts whose groups the pool's engines could not put into this job's
         channel; returns how many were dropped."""
-        records = self.pool.take_undelivered.remote(self.id).result(timeout_s=60)
-        return self.book.drop_undelivered([Undelivered.of(r) for r in records])
+        records: list[UndeliveredPrompt] = self.pool.take_undelivered.remote(self.id).result(timeout_s=60)
+        return self.book.drop_undelivered(records)
 
     def train(self, buffered: list[BufferedGroup]) -> dict:
         """One optimizer step on the learner ranks; a step the learner skips drops its prompts

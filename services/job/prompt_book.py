@@ -26,6 +26,7 @@ from typing import cast
 
 from learner.config import RewardScalingConfig
 from protocol import ControlMessage, PromptRequest, ProtocolError, TrajectoryGroup, decode, encode
+from protocol.pool_replies import UndeliveredPrompt
 from services.data.prompt_source import DataExhausted, PromptSource
 from services.job.backoff import ReplacementBackoff
 from services.job.batch_stats import zero_advantage
@@ -37,21 +38,6 @@ from services.job.skips import DROP_REASON
 log = logging.getLogger("inflight.job")
 ZERO_ADVANTAGE = "zero_advantage"
 """The drop reason of dynamic sampling."""
-
-
-@dataclass(frozen=True)
-class Undelivered:
-    """A prompt whose group an engine could not put into the job's channel (the pool's ``take_undelivered``)."""
-
-    prompt_id: str
-    scheduled_step: int
-    reason: str
-    engine_id: str | None = None
-
-    @classmethod
-    def of(cls, record: dict) -> Undelivered:
-        return cls(str(record["prompt_id"]), int(record["scheduled_step"]), str(record["reason"]),
-                   record.get("engine_id"))
 
 
 @dataclass
@@ -190,7 +176,7 @@ class PromptBook:
         else:
             self.buffer.add(group, data)
 
-    def drop_undelivered(self, records: list[Undelivered]) -> int:
+    def drop_undelivered(self, records: list[UndeliveredPrompt]) -> int:
         """Drop (reason ``undelivered``) and replace the open prompts of ``records`` that have no group
         buffered; returns how many were dropped."""
         dropped = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import PromptRequest, TrajectoryGroup, decode, encode
+from protocol.pool_replies import EvaluationReply
 from services.job.failures import FailureLog
 
 if TYPE_CHECKING:
@@ -131,17 +132,17 @@ class Validator:
 
     def _evaluate(self, batch: list[PromptRequest], step: int) -> list[TrajectoryGroup]:
         try:
-            reply = self.pool.evaluate.remote([encode(p) for p in batch], self.k, self.temperature,
-                                              self.timeout_s).result(timeout_s=self.timeout_s + 30)
+            reply: EvaluationReply = self.pool.evaluate.remote([encode(p) for p in batch], self.k, self.temperature,
+                                                               self.timeout_s).result(timeout_s=self.timeout_s + 30)
         except Exception as exc:  # re-raised with the pool's name and the bound
             raise RuntimeError(f"validation at step {step}: pool {self.pool_name!r} did not answer "
                                f"{len(batch)} prompts within {self.timeout_s + 30:.0f} s: "
                                f"{type(exc).__name__}: {exc}"[:800]) from exc
-        for i, failure in enumerate(reply.get("failed", [])):
+        for i, failure in enumerate(reply.failed):
             if i < 3:
-                log.warning("validation at step %d: prompt %s failed on pool %r: %s", step, failure.get("prompt_id"),
-                            self.pool_name, failure.get("reason"))
+                log.warning("validation at step %d: prompt %s failed on pool %r: %s", step, failure.prompt_id,
+                            self.pool_name, failure.reason)
             if self.failures is not None:
-                self.failures.prompt(str(failure.get("prompt_id")), step, str(failure.get("reason")),
-                                     str(failure.get("engine_id", "")), samples=self.k, count=False)
-        return [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in reply["groups"]]
+                self.failures.prompt(failure.prompt_id, step, failure.reason, failure.engine_id or "",
+                                     samples=self.k, count=False)
+        return [cast(TrajectoryGroup, decode(b, expect=TrajectoryGroup)) for b in reply.groups]

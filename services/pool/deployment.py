@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
+from protocol.pool_replies import EvaluationReply, UndeliveredPrompt
 from services.pool.dispatch import Dispatcher
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
@@ -103,14 +104,14 @@ class RolloutPool:
     async def detach(self, learner_id: str) -> None:
         self.dispatcher.detach(learner_id)
 
-    async def take_undelivered(self, learner_id: str) -> list[dict]:
+    async def take_undelivered(self, learner_id: str) -> list[UndeliveredPrompt]:
         return self.dispatcher.take_undelivered(learner_id)
 
     async def submit(self, prompt_bytes: list[bytes], group_size: int) -> int:
         return self.dispatcher.submit(prompt_bytes, group_size)
 
     async def evaluate(self, prompt_bytes: list[bytes], num_generations: int, temperature: float,
-                       timeout_s: float) -> dict:
+                       timeout_s: float) -> EvaluationReply:
         """Validation: scored groups of ``num_generations`` answers at ``temperature`` (0: greedy), returned to
         the caller and never put into a trajectory channel (:meth:`Dispatcher.evaluate`)."""
         self._ensure_started()

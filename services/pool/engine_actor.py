@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
+from protocol.pool_replies import EvaluationReply, FailedPrompt, UndeliveredPrompt
 from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
 from services.models.files import ModelFiles
@@ -33,6 +34,19 @@ if TYPE_CHECKING:
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.engine")
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What :meth:`EngineActor.generate` answers the pool once a batch is delivered or given up on."""
+
+    prompts: int
+    undelivered: list[UndeliveredPrompt]
+    """Prompts whose group (or error report) the channel did not take in time."""
+    engine_dead: str = ""
+    """Why the vLLM engine core died during the batch ('' if it did not)."""
+    requeue: list[int] = field(default_factory=list)
+    """With ``engine_dead``: the indices of the prompts not delivered, for the pool to send elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -188,32 +202,31 @@ class EngineActor:
                 "synced": self.engine.stats()["refits"] > 0, "running_batches": len(self._tasks),
                 "pid": self.pid, "incarnation": self.incarnation}
 
-    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> dict:
+    async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> BatchReport:
         """Generate one group per prompt, streaming each into ``channel``; returns once every prompt has been
-        delivered (as a group or an error report) or given up on: ``{"prompts": n, "undelivered": [{"prompt_id",
-        "scheduled_step", "reason"}, ...]}`` (prompts whose message the channel did not take in time). If
-        the vLLM engine core dies meanwhile, the prompts not yet delivered are neither reported nor failed:
-        ``"engine_dead"`` gives the reason and ``"requeue"`` their indices in ``prompt_bytes``, for the pool."""
+        delivered (as a group or an error report) or given up on (:class:`BatchReport`: the prompts whose
+        message the channel did not take in time are ``undelivered``). If the vLLM engine core dies meanwhile,
+        the prompts not yet delivered are neither reported nor failed: ``engine_dead`` gives the reason and
+        ``requeue`` their indices in ``prompt_bytes``, for the pool."""
         requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in prompt_bytes]
         task = asyncio.get_running_loop().create_task(self._run(requests, group_size, channel))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         undelivered, pending, dead = await task
-        return {"prompts": len(requests), "undelivered": undelivered, "engine_dead": dead,
-                "requeue": [i for i, r in enumerate(requests) if dead and r.prompt_id in pending]}
+        return BatchReport(len(requests), undelivered, dead,
+                           [i for i, r in enumerate(requests) if dead and r.prompt_id in pending])
 
     async def _run(self, requests: list[PromptRequest], group_size: int,
-                   channel) -> tuple[list[dict], dict[str, PromptRequest], str]:
+                   channel) -> tuple[list[UndeliveredPrompt], dict[str, PromptRequest], str]:
         """(undelivered, pending, engine_dead): see :meth:`generate`."""
         pending = {r.prompt_id: r for r in requests}
-        undelivered: list[dict] = []
+        undelivered: list[UndeliveredPrompt] = []
         try:
             async for group in self.engine.generate(requests, group_size):
                 pending.pop(group.prompt_id, None)
                 failure = await self._send(channel, encode(group))
                 if failure:
-                    undelivered.append({"prompt_id": group.prompt_id, "scheduled_step": group.scheduled_step,
-                                        "reason": failure})
+                    undelivered.append(UndeliveredPrompt(group.prompt_id, group.scheduled_step, failure))
         except EngineDead as exc:  # nothing reported: the pool re-queues the pending prompts
             log.warning("engine %s: %s; %d prompts of the batch go back to the pool", self.engine_id, exc,
                         len(pending))
@@ -227,8 +240,8 @@ class EngineActor:
                                      time.time())
                 failure = await self._send(channel, encode(msg))
                 if failure:
-                    undelivered.append({"prompt_id": pid, "scheduled_step": req.scheduled_step,
-                                        "reason": f"{msg.payload['reason']}; then {failure}"[:500]})
+                    undelivered.append(UndeliveredPrompt(pid, req.scheduled_step,
+                                                         f"{msg.payload['reason']}; then {failure}"[:500]))
         return undelivered, pending, ""
 
     async def _send(self, channel, data: bytes) -> str:
@@ -242,21 +255,20 @@ class EngineActor:
                         exc)
             return f"channel send failed: {type(exc).__name__}: {exc}"[:300]
 
-    async def evaluate(self, prompt_bytes: list[bytes], group_size: int, temperature: float) -> dict:
+    async def evaluate(self, prompt_bytes: list[bytes], group_size: int, temperature: float) -> EvaluationReply:
         """Validation: ``group_size`` answers per prompt at ``temperature`` (0: greedy), scored like training
-        groups and returned to the caller, never sent to a channel: ``{"groups": [encoded TrajectoryGroup],
-        "failed": [{"prompt_id", "reason"}]}`` (prompts whose group could not be made)."""
+        groups and returned to the caller, never sent to a channel (``failed``: prompts whose group could not be
+        made)."""
         requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in prompt_bytes]
         task = asyncio.get_running_loop().create_task(self.engine.evaluate(requests, group_size, temperature))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        out: dict = {"groups": [], "failed": []}
+        out = EvaluationReply()
         for req, res in zip(requests, await task, strict=True):
             if isinstance(res, BaseException):
-                out["failed"].append({"prompt_id": req.prompt_id,
-                                      "reason": f"{type(res).__name__}: {res}"[:300]})
+                out.failed.append(FailedPrompt(req.prompt_id, f"{type(res).__name__}: {res}"[:300]))
             else:
-                out["groups"].append(encode(res))
+                out.groups.append(encode(res))
         return out
 
     async def install(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:

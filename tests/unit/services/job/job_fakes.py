@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
+from protocol.pool_replies import UndeliveredPrompt
 from services.job.channel import ChannelTimeout
 from services.recipe.config import load_recipe
 from services.job import learner_job
@@ -31,7 +32,7 @@ class FakePool:
     def __init__(self, channel: ListChannel | None = None, answer=None):
         self.channel, self.answer = channel, answer
         self.submitted: list[tuple[float, str]] = []
-        self.undelivered: list[dict] = []
+        self.undelivered: list[UndeliveredPrompt] = []
         self.asked_undelivered: list[str] = []
         self.calls: list[str] = []
         self.reports: list[dict] = []
@@ -54,7 +55,7 @@ class FakePool:
                 self.channel.queue.append(encode(reply))
         return len(encoded)
 
-    def _take_undelivered(self, learner_id: str) -> list[dict]:
+    def _take_undelivered(self, learner_id: str) -> list[UndeliveredPrompt]:
         self.asked_undelivered.append(learner_id)
         out, self.undelivered = self.undelivered, []
         return out

@@ -81,13 +81,14 @@ def test_validations_failed_answers_are_on_record_but_not_in_the_training_counts
     from handle_fakes import ServeMethod
 
     from protocol import PromptRequest, decode
+    from protocol.pool_replies import EvaluationReply, FailedPrompt
     from services.recipe.config import load_recipe
     from services.job.validation import Validator
 
     def evaluate(prompt_bytes, k, temperature, timeout_s):
         ids = [decode(b, expect=PromptRequest).prompt_id for b in prompt_bytes]
-        return {"groups": [encode(env_failed_group(ids[0], step=0, failed=1))],
-                "failed": [{"prompt_id": ids[1], "reason": "evaluate on engine e1 failed: boom", "engine_id": "e1"}]}
+        return EvaluationReply([encode(env_failed_group(ids[0], step=0, failed=1))],
+                               [FailedPrompt(ids[1], "evaluate on engine e1 failed: boom", engine_id="e1")])
 
     class Pool:
         pass

@@ -7,6 +7,7 @@ import pytest
 from job_fakes import CountingRefit, FakeLearner, FakePool, ListChannel, group, make_job
 
 from protocol import encode
+from protocol.pool_replies import UndeliveredPrompt
 from services.job.backoff import ReplacementBackoff
 from services.job.learner_job import REFIT_ATTEMPTS, StepTimeout
 from services.refit import RefitResult
@@ -58,7 +59,7 @@ def test_undelivered_prompts_reported_by_the_pool_are_dropped_and_replaced(monke
     job = make_job(monkeypatch, tmp_path, pool=pool)
     job.schedule(2)
     (pid,) = job.book.ledger.scheduled
-    pool.undelivered = [{"prompt_id": pid, "scheduled_step": 2, "reason": "channel send failed", "engine_id": "e0"}]
+    pool.undelivered = [UndeliveredPrompt(pid, scheduled_step=2, reason="channel send failed", engine_id="e0")]
     assert job.drop_undelivered() == 1 and job.drop_undelivered() == 0  # handed out once
     assert job.book.ledger.dropped == {pid: "undelivered"} and pool.asked_undelivered == [job.id] * 2
     assert len(pool.submitted) == 2                                     # the replacement

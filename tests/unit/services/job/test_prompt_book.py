@@ -5,8 +5,9 @@ from __future__ import annotations
 from job_fakes import group, prompts
 
 from protocol import ControlMessage, PromptRequest, decode, encode
+from protocol.pool_replies import UndeliveredPrompt
 from services.job.backoff import ReplacementBackoff
-from services.job.prompt_book import PromptBook, Undelivered
+from services.job.prompt_book import PromptBook
 from services.data.prompt_source import PromptSource
 
 
@@ -64,8 +65,7 @@ def test_undelivered_prompts_are_dropped_with_a_reason_and_replaced_once():
     a, b, c = scheduled(book, 2, 2, 2)
     book.receive(encode(group(b, 2)))                                  # b's group did arrive (buffered)
     book.ledger.mark_dropped(c, "stale")
-    records = [Undelivered.of({"prompt_id": p, "scheduled_step": 2, "reason": "channel send failed: full",
-                               "engine_id": "e0"}) for p in (a, b, c)]
+    records = [UndeliveredPrompt(p, 2, "channel send failed: full", engine_id="e0") for p in (a, b, c)]
     assert book.drop_undelivered(records) == 1                         # only a: b is buffered, c already finished
     assert book.ledger.dropped == {c: "stale", a: "undelivered"} and len(submitted) == 4
     assert book.rejected == {"undelivered": 1}

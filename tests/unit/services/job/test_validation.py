@@ -11,6 +11,7 @@ from handle_fakes import ServeMethod
 from job_fakes import FakePool, ListChannel, group, make_job
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup, decode, encode
+from protocol.pool_replies import EvaluationReply, FailedPrompt
 from services.recipe.config import load_recipe
 from services.job import validation
 from services.job.validation import Validator, validation_metrics
@@ -57,7 +58,7 @@ class EvalPool(FakePool):
         ids = [decode(b, expect=PromptRequest).prompt_id for b in prompt_bytes]
         self.batches.append((ids, k, temperature))
         groups = [encode(scored(p, [float(int(p[-1]) % 2 == 0)] * k)) for p in ids if p != self.drop]
-        return {"groups": groups, "failed": [{"prompt_id": self.drop, "reason": "x"}] if self.drop in ids else []}
+        return EvaluationReply(groups, [FailedPrompt(self.drop, "x")] if self.drop in ids else [])
 
 
 def val_prompts(n: int) -> list[PromptRequest]:

@@ -11,6 +11,7 @@ from pool_fakes import fleet_of
 
 from protocol import PromptRequest, encode
 from services.pool.dispatch import Batch, Dispatcher
+from services.pool.engine_actor import BatchReport
 
 
 class _FailingGenerate:
@@ -33,9 +34,9 @@ def test_a_batch_whose_generate_call_fails_is_handed_to_its_learner_at_once_with
 
     asyncio.run(dispatcher.track("e0", Batch(prompts, 4, channel)))
     got = dispatcher.take_undelivered("learner-x")
-    assert [u["prompt_id"] for u in got] == ["p0", "p1", "p2"]
-    assert all(u["scheduled_step"] == 7 and u["engine_id"] == "e0" for u in got)
-    assert all("generate" in u["reason"] and "ValueError: boom" in u["reason"] for u in got), got
+    assert [u.prompt_id for u in got] == ["p0", "p1", "p2"]
+    assert all(u.scheduled_step == 7 and u.engine_id == "e0" for u in got)
+    assert all("generate" in u.reason and "ValueError: boom" in u.reason for u in got), got
     assert dispatcher.fleet.table["e0"].up is True  # the engine itself is not dead
     assert dispatcher.take_undelivered("learner-x") == []  # handed out once
 
@@ -54,7 +55,7 @@ def test_prompts_go_round_robin_to_the_engines_at_the_pools_version_and_wait_whe
     def engine(eid):
         async def generate(prompts, group_size, channel):
             sent[eid].extend(prompts)
-            return {"prompts": len(prompts), "undelivered": []}
+            return BatchReport(len(prompts), [])
         return SimpleNamespace(generate=ActorMethod(generate))
 
     async def scenario():

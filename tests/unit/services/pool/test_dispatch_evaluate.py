@@ -11,7 +11,9 @@ from handle_fakes import ActorMethod
 from pool_fakes import fleet_of
 
 from protocol import PromptRequest, decode, encode
+from protocol.pool_replies import EvaluationReply
 from services.pool.dispatch import Dispatcher
+from services.pool.engine_actor import BatchReport
 
 
 def test_evaluate_answers_the_caller_and_an_engine_failure_fails_only_its_share():
@@ -24,11 +26,11 @@ def test_evaluate_answers_the_caller_and_an_engine_failure_fails_only_its_share(
             asked[eid].extend(ids)
             if eid == "e1":
                 raise ValueError("boom: a bug in the engine's evaluate")
-            return {"groups": [f"{eid}:{i}:{group_size}:{temperature}".encode() for i in ids], "failed": []}
+            return EvaluationReply([f"{eid}:{i}:{group_size}:{temperature}".encode() for i in ids])
 
         async def generate(prompts, group_size, channel):
             trained[eid].extend(prompts)
-            return {"prompts": len(prompts), "undelivered": []}
+            return BatchReport(len(prompts), [])
         return SimpleNamespace(evaluate=ActorMethod(evaluate), generate=ActorMethod(generate))
 
     async def scenario():
@@ -38,9 +40,9 @@ def test_evaluate_answers_the_caller_and_an_engine_failure_fails_only_its_share(
         prompts = [encode(PromptRequest(f"val:q{i}", [1, 2], {})) for i in range(5)]
         out = await dispatcher.evaluate(prompts, 2, 0.5, timeout_s=5.0)  # no learner attached: not needed
         assert asked == {"e0": ["val:q0", "val:q2", "val:q4"], "e1": ["val:q1", "val:q3"], "e2": []}
-        assert out["groups"] == [b"e0:val:q0:2:0.5", b"e0:val:q2:2:0.5", b"e0:val:q4:2:0.5"]
-        assert [f["prompt_id"] for f in out["failed"]] == ["val:q1", "val:q3"]
-        assert all("e1" in f["reason"] and "boom" in f["reason"] for f in out["failed"])
+        assert out.groups == [b"e0:val:q0:2:0.5", b"e0:val:q2:2:0.5", b"e0:val:q4:2:0.5"]
+        assert [f.prompt_id for f in out.failed] == ["val:q1", "val:q3"]
+        assert all("e1" in f.reason and "boom" in f.reason for f in out.failed)
         dispatcher.attach("L", SimpleNamespace(name="ch"))
         dispatcher.submit([b"a", b"b"], 2)  # training's round robin starts where it was (at e0)
         await asyncio.gather(*dispatcher.batches)

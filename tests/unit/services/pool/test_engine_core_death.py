@@ -17,7 +17,7 @@ from rollout.liveness import EngineDead
 from handle_fakes import ActorMethod
 from pool_fakes import FakeEngine, pool_of
 from services.pool.dispatch import Batch
-from services.pool.engine_actor import EngineActor, EngineSpec
+from services.pool.engine_actor import BatchReport, EngineActor, EngineSpec
 from services.refit.port import KeptPush
 
 
@@ -104,7 +104,7 @@ def test_generate_on_a_dying_engine_hands_pending_prompts_back_and_reports_none_
         channel = FakeChannel()
         out = await actor.generate([encode(r) for r in reqs], 2, channel)
         assert [type(m) for m in channel.sent] == [TrajectoryGroup]     # no ControlMessage("error") at all
-        assert out.get("requeue") == [1, 2] and "engine core died" in out["engine_dead"] and out["undelivered"] == []
+        assert out.requeue == [1, 2] and "engine core died" in out.engine_dead and out.undelivered == []
         assert not any(isinstance(m, ControlMessage) for m in channel.sent)
 
     asyncio.run(scenario())
@@ -113,7 +113,7 @@ def test_generate_on_a_dying_engine_hands_pending_prompts_back_and_reports_none_
 def test_the_pool_requeues_a_dead_cores_pending_prompts_and_marks_the_engine_down():
     async def scenario():
         async def generate(prompts, group_size, channel):
-            return {"prompts": 3, "undelivered": [], "engine_dead": "vLLM engine core died", "requeue": [1, 2]}
+            return BatchReport(3, [], engine_dead="vLLM engine core died", requeue=[1, 2])
 
         engine = types.SimpleNamespace(generate=ActorMethod(generate))
         d = pool_of({"e0": engine}).dispatcher

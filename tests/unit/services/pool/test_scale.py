@@ -17,6 +17,7 @@ from pool_fakes import pool_of
 
 from services.recipe.config import load_recipe
 from services.pool import fleet as fleet_module
+from services.pool.engine_actor import BatchReport
 from services.pool.fleet import ScaleError, ScaleRequestError
 from services.pool.startup import engine_name
 from services.refit.port import KeptPush
@@ -60,7 +61,7 @@ class Engine:
     async def _generate(self, prompts, group_size, channel):
         self.batches.append(prompts)
         await self.hold.wait()
-        return {"prompts": len(prompts), "undelivered": []}
+        return BatchReport(len(prompts), [])
 
 
 @pytest.fixture
