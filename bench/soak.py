@@ -86,7 +86,7 @@ def main() -> None:
     channel = None
     try:
         t_deploy = time.perf_counter()
-        status = deploy_pool(recipe, Path(temp_dir) / "run")
+        deploy_pool(recipe, Path(temp_dir) / "run")
         print(f"pool ready in {time.perf_counter() - t_deploy:.0f} s", flush=True)
         handle = pool_api.connect(recipe.rollout_pool.name)
         channel = TrajectoryChannel.create("soak-trajectories", recipe.rollout_pool.max_inflight_groups)
@@ -103,10 +103,10 @@ def main() -> None:
         def sample(elapsed: float, groups: int, tokens: int) -> dict:
             st = handle.status.remote().result(timeout_s=30)
             row = {"t_s": round(elapsed, 1), "groups": groups, "tokens": tokens,
-                   "replica": tree_usage(st["pid"]), "learner": tree_usage(os.getpid(), children=False),
+                   "replica": tree_usage(st.pid), "learner": tree_usage(os.getpid(), children=False),
                    "channel": tree_usage(channel_pid)}
-            for eid, es in st["engines"].items():
-                row[eid] = tree_usage(es["pid"])
+            for eid, es in st.engines.items():
+                row[eid] = tree_usage(es.pid)
             return row
 
         submit(args.inflight)

@@ -1,14 +1,16 @@
-"""What the rollout pool answers its learner's control calls with: typed values that cross Ray.
+"""What the rollout pool answers its handle's callers with: typed values that cross Ray.
 
 The pool's handle API answers validation with an :class:`EvaluationReply`
-(groups, and the prompts that got none: :class:`FailedPrompt`) and hands a
+(groups, and the prompts that got none: :class:`FailedPrompt`), hands a
 learner the prompts its engines could not put into the learner's channel as
-:class:`UndeliveredPrompt` s. The pool builds them, the job reads their fields:
-neither wing names the other's types.
+:class:`UndeliveredPrompt` s, and says what it is with a :class:`PoolStatus`
+(its engines: :class:`EngineStatus`; ``GET /v1/status`` serves its JSON). The
+pool builds them, the job and the CLI read their fields: neither wing names
+the other's types.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -39,3 +41,64 @@ class EvaluationReply:
 
     groups: list[bytes] = field(default_factory=list)
     failed: list[FailedPrompt] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine as the pool's status shows it."""
+
+    up: bool
+    """It answered its last health check (or its boot) and may take work."""
+    version: int | None
+    """The policy version it serves."""
+    pid: int | None
+    incarnation: str | None
+    """``<pid>.<vLLM starts>``: changes when its process or its vLLM engine restarts."""
+    error: str | None
+    """Why it is down (None while up)."""
+    starting: bool
+    """A scale-up is booting it."""
+    draining: bool
+    """A scale-down is removing it."""
+    state: str
+    """``starting``, ``up``, ``stale`` (up at another version), ``draining`` or ``down``."""
+
+
+@dataclass(frozen=True)
+class AttachedLearner:
+    """The learner job attached to the pool."""
+
+    id: str
+    since: float
+    """When it attached (Unix time)."""
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """What the pool says of itself (``status``; ``GET /v1/status`` serves :meth:`to_json`)."""
+
+    name: str
+    version: int
+    """The policy version the pool serves."""
+    ready: bool
+    """Every engine that is not starting or draining is up at a known version."""
+    pid: int
+    learner: AttachedLearner | None
+    paused: bool
+    draining: bool
+    engines: dict[str, EngineStatus]
+    uptime_s: float
+    requeued_prompts: int
+    """Prompts re-sent after their engine died, since the pool started."""
+    waiting_prompts: int
+    """Prompts waiting for an engine at the pool's version."""
+    undelivered_prompts: int
+    """Prompts kept for the attached learner that its channel did not take."""
+    errors: list[str]
+    """The last few errors (start-up, refit, scale)."""
+    last_report: dict | None
+    """The attached learner's last step report, without its per-group lists."""
+
+    def to_json(self) -> dict:
+        """The JSON object of ``/v1/status`` and ``inflight pool status --json``."""
+        return asdict(self)

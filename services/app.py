@@ -35,7 +35,7 @@ def admin_token(recipe: Recipe, run_dir: Path | None = None) -> str:
     return token
 
 
-def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> dict:
+def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> pool_api.DeployedPool:
     n = recipe.rollout_pool.num_engines
     with startup_progress.phase(f"starting the rollout pool ({n} engine{'s' if n > 1 else ''}; vLLM loads the model)"):
         model_path = resolve_policy_model(recipe.policy)
@@ -90,11 +90,11 @@ def run_embedded(recipe: Recipe, run_dir: Path, resume: bool = False) -> Path:
         # when less than gpu_memory_utilization of the GPU is free), so the learner's rank must not touch the
         # GPU before then; afterwards the engine's memory is fixed and the learner stays within its
         # policy.megatron_cfg.gpu_memory_fraction.
-        status = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
+        deployed = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
         try:
-            print(f"rollout pool {status['name']!r} ready at version {status['version']}; "
-                  f"metrics: {status['http']}/metrics  health: {status['http']}/healthz  "
-                  f"ready: {status['http']}/readyz", file=sys.stderr)
+            http = deployed.http
+            print(f"rollout pool {deployed.status.name!r} ready at version {deployed.status.version}; "
+                  f"metrics: {http}/metrics  health: {http}/healthz  ready: {http}/readyz", file=sys.stderr)
             return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=resume)
         finally:
             pool_api.shutdown(recipe.rollout_pool.name)

@@ -39,6 +39,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from protocol.pool_replies import PoolStatus
 from services.cluster.auth import ClusterConnectError
 from services.console import output as console
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
@@ -115,8 +116,8 @@ def _cmd_pool_deploy(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or recipe.logger.log_dir)
     logs = console.setup(run_dir, verbose=args.verbose).log_dir
     ray_runtime.connect(cluster.ensure_cluster())
-    status = deploy_pool(recipe, run_dir)
-    print(json.dumps(status, indent=2, default=str))
+    deployed = deploy_pool(recipe, run_dir)
+    print(json.dumps(deployed.to_json(), indent=2, default=str))
     print(f"logs: {logs}", file=sys.stderr)
     return 0
 
@@ -127,13 +128,13 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
     from services.cluster import ray_runtime
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
-    status = pool.connect(args.name).status.remote().result(timeout_s=60)
+    status: PoolStatus = pool.connect(args.name).status.remote().result(timeout_s=60)
     if args.json:
-        print(json.dumps(status, indent=2, default=str))
+        print(json.dumps(status.to_json(), indent=2, default=str))
     else:
         from services.pool.status_table import render
 
-        print(render(status), end="")
+        print(render(status.to_json()), end="")
     return 0
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from protocol import PromptRequest, encode
 from protocol.images import PromptImage
+from protocol.pool_replies import PoolStatus
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -115,17 +116,17 @@ class EngineInstall:
 
 def engine_installs(pool: DeploymentHandle) -> dict[str, EngineInstall]:
     """Each engine of ``pool`` -> its :class:`EngineInstall`, from the pool's status and engine stats."""
-    status = pool.status.remote().result(timeout_s=60)
+    status: PoolStatus = pool.status.remote().result(timeout_s=60)
     stats = pool.engine_stats.remote().result(timeout_s=120)
     out = {}
-    for eid, state in status["engines"].items():
+    for eid, state in status.engines.items():
         s = stats.get(eid, {"error": "no stats"})
-        if not state.get("up"):
+        if not state.up:
             why = "down"
         elif "error" in s:
             why = f"stats: {s['error']}"
-        elif s.get("version") != status["version"]:
-            why = f"serves v{s.get('version')}, the pool v{status['version']}"
+        elif s.get("version") != status.version:
+            why = f"serves v{s.get('version')}, the pool v{status.version}"
         else:
             why = ""
         generation = None if "error" in s else f"{s.get('incarnation', s['pid'])}:{s['refits']}"

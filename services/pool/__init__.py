@@ -14,20 +14,35 @@ admission of new engines), ``startup`` and ``placement`` (boot),
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
+from protocol.pool_replies import PoolStatus
 from services.cluster.head import free_port
 from services.pool.deployment import RolloutPool
 
 if TYPE_CHECKING:
     from services.recipe.config import Recipe
 
-__all__ = ["RolloutPool", "connect", "deploy", "http_port", "shutdown"]
+__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "shutdown"]
 
 
-def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: float = 900.0) -> dict:
+@dataclass(frozen=True)
+class DeployedPool:
+    """A pool :func:`deploy` started: its status once ready, and where its HTTP routes answer."""
+
+    status: PoolStatus
+    http: str
+    """``http://<host>:<port>`` (``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``)."""
+
+    def to_json(self) -> dict:
+        """``inflight pool deploy``'s answer: the status's JSON with ``http``."""
+        return {**self.status.to_json(), "http": self.http}
+
+
+def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: float = 900.0) -> DeployedPool:
     """Start (or update) the pool application on the connected Ray cluster and wait until it is ready. A pool
     that does not start is removed (Serve application, engines, colocation group) and
     :class:`~services.pool.startup.PoolStartError` gives the reason. ``model_path``: a model directory on this
@@ -45,9 +60,9 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
         recipe = _with_served_environment(recipe)
         handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
                            name=name, route_prefix="/", blocking=False)
-        status = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
-        why = None if status.get("ready") else ("; ".join(status.get("errors") or [])
-                                                or f"engines not ready: {status.get('engines')}")
+        status: PoolStatus = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+        why = None if status.ready else ("; ".join(status.errors)
+                                         or f"engines not ready: {status.to_json()['engines']}")
     except Exception as exc:  # noqa: BLE001 - the pool is removed and the reason raised below
         why = reason(exc)
     if why is not None:
@@ -56,8 +71,7 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
         release(name)
         raise PoolStartError(f"rollout pool {name!r} did not start: {why} (its Serve application, engines and "
                              f"placement group were removed)")
-    status["http"] = f"http://{http['host']}:{http_port()}"
-    return status
+    return DeployedPool(status, f"http://{http['host']}:{http_port()}")
 
 
 def served_environment_name(pool_name: str) -> str:

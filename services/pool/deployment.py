@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
-from protocol.pool_replies import EvaluationReply, UndeliveredPrompt
+from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
 from services.pool.dispatch import Dispatcher
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
@@ -91,12 +91,12 @@ class RolloutPool:
             self._monitor = loop.create_task(self.watcher.watch())
 
     # ------------------------------------------------------------ learner API (DeploymentHandle)
-    async def wait_ready(self, timeout_s: float = 600.0) -> dict:
+    async def wait_ready(self, timeout_s: float = 600.0) -> PoolStatus:
         self._ensure_started()
         await asyncio.wait_for(self.fleet.ready.wait(), timeout_s)
         return await self.status()
 
-    async def attach(self, learner_id: str, channel: Any) -> dict:
+    async def attach(self, learner_id: str, channel: Any) -> PoolStatus:
         self._ensure_started()
         self.dispatcher.attach(learner_id, channel)
         return await self.status()
@@ -171,16 +171,15 @@ class RolloutPool:
     async def engine_stats(self) -> dict[str, dict]:
         return await self.fleet.engine_stats()
 
-    async def status(self) -> dict:
+    async def status(self) -> PoolStatus:
         self._ensure_started()
         d = self.dispatcher
-        return {"name": self.name, "version": self.fleet.version, "ready": self.fleet.is_ready(),
-                "pid": os.getpid(), "learner": d.learner_status(), "paused": d.paused, "draining": d.draining,
-                "engines": self.fleet.table.as_dict(self.fleet.version),
-                "uptime_s": time.time() - self.fleet.started_at,
-                "requeued_prompts": d.requeued_prompts, "waiting_prompts": d.waiting_prompts(),
-                "undelivered_prompts": len(d.undelivered), "errors": self.fleet.errors[-5:],
-                "last_report": self._last_report}
+        return PoolStatus(name=self.name, version=self.fleet.version, ready=self.fleet.is_ready(), pid=os.getpid(),
+                          learner=d.learner, paused=d.paused, draining=d.draining,
+                          engines=self.fleet.table.snapshot(self.fleet.version),
+                          uptime_s=time.time() - self.fleet.started_at, requeued_prompts=d.requeued_prompts,
+                          waiting_prompts=d.waiting_prompts(), undelivered_prompts=len(d.undelivered),
+                          errors=self.fleet.errors[-5:], last_report=self._last_report)
 
     async def shutdown_engines(self) -> None:
         await self.fleet.shutdown()
@@ -221,7 +220,7 @@ class RolloutPool:
 
     @app.get("/v1/status")
     async def status_endpoint(self):
-        return await self.status()
+        return (await self.status()).to_json()
 
     @app.get("/v1/history")
     async def history_endpoint(self):
@@ -230,7 +229,8 @@ class RolloutPool:
     @app.get("/", response_class=HTMLResponse)
     async def status_page(self):
         await self.token_rates.sample(self.fleet.handles)
-        page = render_page(await self.status(), list(self.history.points), self.token_rates.rates(), time.time())
+        page = render_page((await self.status()).to_json(), list(self.history.points), self.token_rates.rates(),
+                           time.time())
         return HTMLResponse(page, headers=security_headers())
 
     def _authorize(self, authorization: str | None) -> None:

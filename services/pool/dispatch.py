@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from ray.exceptions import RayActorError, TaskCancelledError
 
 from protocol import PromptRequest, decode
-from protocol.pool_replies import EvaluationReply, FailedPrompt, UndeliveredPrompt
+from protocol.pool_replies import AttachedLearner, EvaluationReply, FailedPrompt, UndeliveredPrompt
 from services.pool.engine_actor import BatchReport
 from services.pool.fleet import Fleet
 from services.refit.result import remote_cause
@@ -38,18 +38,10 @@ class Batch:
     channel: Any  # the TrajectoryChannel of the learner that submitted them
 
 
-@dataclass(frozen=True)
-class Learner:
-    """The attached learner job."""
-
-    id: str
-    since: float
-
-
 class Dispatcher:
     def __init__(self, fleet: Fleet):
         self.fleet, self.name, self.metrics = fleet, fleet.name, fleet.metrics
-        self.learner: Learner | None = None
+        self.learner: AttachedLearner | None = None
         self.channel: Any = None
         self.paused = False
         self.draining = False
@@ -69,7 +61,7 @@ class Dispatcher:
             log.warning("pool %s: learner %s replaces %s", self.name, learner_id, self.learner.id)
         if self.channel is not None and self.channel.name != channel.name:
             self.undelivered.clear()
-        self.learner, self.channel = Learner(learner_id, time.time()), channel
+        self.learner, self.channel = AttachedLearner(learner_id, time.time()), channel
         self.metrics.learner_attached.set(1)
 
     def detach(self, learner_id: str | None = None) -> None:
@@ -80,9 +72,6 @@ class Dispatcher:
             self.learner, self.channel = None, None
             self.undelivered.clear()
             self.metrics.learner_attached.set(0)
-
-    def learner_status(self) -> dict | None:
-        return asdict(self.learner) if self.learner else None
 
     def take_undelivered(self, learner_id: str) -> list[UndeliveredPrompt]:
         """Prompts the engines could not deliver to ``learner_id``'s channel since the last call; the learner

@@ -7,7 +7,8 @@ up: dispatch, pushes and readiness only count engines the pool has seen answer.
 The health watcher and the weight transports change states; dispatch asks which
 engines serve the pool's version; a scale-down marks engines *draining* and then
 forgets them. :meth:`EngineTable.state` names each engine's state for
-``/v1/status``, the status table and the ``inflight_engines{state}`` gauge.
+``/v1/status`` (:meth:`EngineTable.snapshot`), the status table and the
+``inflight_engines{state}`` gauge.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+from protocol.pool_replies import EngineStatus
 
 StateName = Literal["starting", "up", "stale", "draining", "down"]
 STATES: tuple[StateName, ...] = ("starting", "up", "stale", "draining", "down")
@@ -125,7 +128,6 @@ class EngineTable:
         """Engines per state against the pool's ``version``."""
         return Counter(self.state(e, version) for e in self._states)
 
-    def as_dict(self, version: int | None = None) -> dict[str, dict]:
-        """For ``status`` (JSON); with the pool's ``version``, each engine's ``state`` too."""
-        return {e: {**asdict(s), **({} if version is None else {"state": self.state(e, version)})}
-                for e, s in self._states.items()}
+    def snapshot(self, version: int) -> dict[str, EngineStatus]:
+        """Each engine as ``status`` shows it, its ``state`` against the pool's ``version``."""
+        return {e: EngineStatus(**asdict(s), state=self.state(e, version)) for e, s in self._states.items()}

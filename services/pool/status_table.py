@@ -106,7 +106,8 @@ def refit_table(report: dict | None) -> str:
 
 
 def render(status: dict, now: float | None = None) -> str:
-    """The whole ``pool status`` text for ``status`` (the pool's status dict); ``now`` defaults to the clock."""
+    """The whole ``pool status`` text for ``status`` (the pool's status dict, ``PoolStatus.to_json()``); ``now``
+    defaults to the clock."""
     now = time.time() if now is None else now
     flags = [f for f in ("paused", "draining") if status.get(f)]
     head = (f"pool {status.get('name', '?')}: version {_value(status.get('version'))}, "

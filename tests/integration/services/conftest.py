@@ -48,7 +48,7 @@ def data_pool(ray_cluster, tmp_path_factory):
     from data_pool import data_recipe
 
     recipe = data_recipe()
-    status = deploy_pool(recipe, tmp_path_factory.mktemp("data-pool"))
-    assert status["ready"], status
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("data-pool"))
+    assert deployed.status.ready, deployed
     yield recipe
     pool_api.shutdown(recipe.rollout_pool.name)

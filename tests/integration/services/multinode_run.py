@@ -92,8 +92,8 @@ def main(out_path: str) -> None:
         files = share(str(origin), owner=recipe.rollout_pool.name)
         shutil.rmtree(origin)  # from now on only the holder has the files: every node must get them shipped
         out["model_path"] = files.path
-        status = pool_api.deploy(recipe, files, "multinode-token")
-        out["pool_ready"] = bool(status.get("ready"))
+        deployed = pool_api.deploy(recipe, files, "multinode-token")
+        out["pool_ready"] = deployed.status.ready
         engine = ray.get_actor(f"{recipe.rollout_pool.name}-engine-0", namespace="inflight")
         out["engine_ip"] = node_ip_of(engine)
         handle = pool_api.connect(recipe.rollout_pool.name)

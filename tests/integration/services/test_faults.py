@@ -68,16 +68,17 @@ def pool(ray_cluster, tmp_path_factory):
     os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
     recipe = tiny_recipe(*POOL_OVERRIDES)
     t0 = time.monotonic()
-    status = deploy_pool(recipe, tmp_path_factory.mktemp("fault-pool"))
-    assert status["ready"], status
-    assert len(status["engines"]) == NUM_ENGINES, status
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("fault-pool"))
+    assert deployed.status.ready, deployed
+    assert len(deployed.status.engines) == NUM_ENGINES, deployed
     print(f"fault pool: {NUM_ENGINES} engines ready in {time.monotonic() - t0:.0f} s")
-    yield recipe, pool_api.connect(POOL_NAME), status["http"]
+    yield recipe, pool_api.connect(POOL_NAME), deployed.http
     pool_api.shutdown(POOL_NAME)
 
 
 def _status(handle) -> dict:
-    return handle.status.remote().result(timeout_s=30)
+    """The pool's status as ``/v1/status`` serves it."""
+    return handle.status.remote().result(timeout_s=30).to_json()
 
 
 def _generation_works(handle) -> None:

@@ -40,9 +40,9 @@ def pool(ray_cluster, tmp_path_factory):
 
     os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
     recipe = tiny_recipe()
-    status = deploy_pool(recipe, tmp_path_factory.mktemp("pool"))
-    assert status["ready"], status
-    yield recipe, status["http"]
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("pool"))
+    assert deployed.status.ready, deployed
+    yield recipe, deployed.http
     pool_api.shutdown(recipe.rollout_pool.name)
 
 

@@ -70,7 +70,7 @@ def test_environment_server_failures_fail_their_samples_and_the_pool_goes_on(ray
         f"grpo.num_generations_per_prompt={GROUP}", "policy.generation.max_new_tokens=8",
         f"env.{ENV}.url={judge}", f"env.{ENV}.step_timeout_s=1", f"env.{ENV}.max_retries=1",
         f"env.{ENV}.retry_backoff_s=0.05", "logger.tensorboard_enabled=false"])
-    status = deploy_pool(recipe, tmp_path)
+    deployed = deploy_pool(recipe, tmp_path)
     pool = pool_api.connect(recipe.rollout_pool.name)
     learner_id = f"env-server-{uuid.uuid4().hex[:8]}"
     channel = TrajectoryChannel.create(f"{learner_id}-trajectories", 16)
@@ -95,7 +95,7 @@ def test_environment_server_failures_fail_their_samples_and_the_pool_goes_on(ray
         want = f'inflight_env_failed_samples_total{{env="{ENV}"}} {3.0 * GROUP}'
         deadline, metrics = time.monotonic() + 60, ""
         while want not in metrics and time.monotonic() < deadline:  # the watcher folds engine stats in each period
-            metrics = urllib.request.urlopen(f"{status['http']}/metrics", timeout=30).read().decode()
+            metrics = urllib.request.urlopen(f"{deployed.http}/metrics", timeout=30).read().decode()
             time.sleep(1)
     finally:
         pool.detach.remote(learner_id).result(timeout_s=60)

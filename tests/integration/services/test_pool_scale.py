@@ -44,14 +44,15 @@ def pool(ray_cluster, tmp_path_factory):
 
     os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
     recipe = tiny_recipe(*POOL_OVERRIDES)
-    status = deploy_pool(recipe, tmp_path_factory.mktemp("scale-pool"))
-    assert status["ready"] and list(status["engines"]) == [ENGINE_0], status
-    yield recipe, pool_api.connect(POOL_NAME), status["http"]
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("scale-pool"))
+    assert deployed.status.ready and list(deployed.status.engines) == [ENGINE_0], deployed
+    yield recipe, pool_api.connect(POOL_NAME), deployed.http
     pool_api.shutdown(POOL_NAME)
 
 
 def _status(handle) -> dict:
-    return handle.status.remote().result(timeout_s=30)
+    """The pool's status as ``/v1/status`` serves it."""
+    return handle.status.remote().result(timeout_s=30).to_json()
 
 
 class Scaler(threading.Thread):

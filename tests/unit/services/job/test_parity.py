@@ -34,8 +34,8 @@ class FakePool:
         self.engines = {f"pool-engine-{i}": {"up": True, "pid": 100 + i, "refits": 1, "version": version,
                                              "offset": 0.0, "gone": False} for i in range(n)}
         self.scored: list[str] = []
-        self.status = ServeMethod(lambda: {"version": self.version, "engines": {
-            e: {"up": s["up"], "version": s["version"]} for e, s in self.engines.items()}})
+        self.status = ServeMethod(lambda: SimpleNamespace(version=self.version, engines={  # what a PoolStatus has
+            e: SimpleNamespace(up=s["up"], version=s["version"]) for e, s in self.engines.items()}))
         self.engine_stats = ServeMethod(lambda: {e: {"error": "RayActorError"} if s["gone"] else
                                             {"pid": s["pid"], "refits": s["refits"], "version": s["version"]}
                                             for e, s in self.engines.items()})

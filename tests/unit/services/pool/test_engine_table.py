@@ -2,6 +2,7 @@
 states a scale-up and a scale-down go through."""
 from __future__ import annotations
 
+from protocol.pool_replies import EngineStatus
 from services.pool.engine_table import EngineState, EngineTable
 
 
@@ -24,9 +25,9 @@ def test_states_follow_boot_death_restart_and_installs():
     table.mark_up("e1", 0, 13, "13.1")                             # restarted: a new process, the model on disk
     assert table.behind(3) == ["e1"] and table["e1"].error is None
     assert table.incarnations_up() == {"e0": "11.1", "e1": "13.1"}
-    assert table.as_dict()["e1"] == {"up": True, "version": 0, "pid": 13, "incarnation": "13.1", "error": None,
-                                     "starting": False, "draining": False}
-    assert table.as_dict(3)["e1"]["state"] == "stale" and table.as_dict(3)["e0"]["state"] == "up"
+    assert table.snapshot(3)["e1"] == EngineStatus(up=True, version=0, pid=13, incarnation="13.1", error=None,
+                                                   starting=False, draining=False, state="stale")
+    assert table.snapshot(3)["e0"].state == "up"
     assert list(table) == ["e0", "e1"]
 
 

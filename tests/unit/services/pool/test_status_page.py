@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 import pytest
 from pool_fakes import FakeEngine, pool_of
 
+from protocol.pool_replies import AttachedLearner
 from services.pool.deployment import RolloutPool
-from services.pool.dispatch import Learner
 from services.pool.status_page import (
     DROP_WINDOW_STEPS,
     STYLE,
@@ -206,7 +206,7 @@ def test_page_shows_pool_engines_learner_refits_drops_and_plots():
         pool.fleet.table.set_version(e, 3)
     pool.fleet.mark_down("engine-1", RuntimeError("<script>alert(1)</script> & gone"))
     pool.fleet.errors.append("refit v2 timeout: <b>")
-    pool.dispatcher.learner = Learner(id="learner-<7>", since=time.time() - 100)
+    pool.dispatcher.learner = AttachedLearner(id="learner-<7>", since=time.time() - 100)
     reports = [report(1, dropped_stale=1), report(2, rejected={"malformed": 2}), report(3, refit_bytes=2 * 10**9)]
     html, headers = page_of(pool, reports)
     page = Page(html)

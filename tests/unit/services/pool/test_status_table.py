@@ -7,21 +7,22 @@ import types
 
 from pool_fakes import FakeEngine, pool_of
 
+from protocol.pool_replies import AttachedLearner
 from services.pool.deployment import RolloutPool
-from services.pool.dispatch import Learner
 from services.pool.status_table import fmt_bytes, fmt_seconds, render
 
 
 def status_of(pool, report: dict | None = None) -> dict:
-    """``RolloutPool.status`` itself (the class under Serve's deployment), on the parts of ``pool``, after the
-    learner's step ``report`` went through ``RolloutPool.report_step``."""
+    """The JSON of ``RolloutPool.status`` itself (the class under Serve's deployment; what ``inflight pool status``
+    renders), on the parts of ``pool``, after the learner's step ``report`` went through
+    ``RolloutPool.report_step``."""
     me = types.SimpleNamespace(name=pool.fleet.name, fleet=pool.fleet, dispatcher=pool.dispatcher,
                                metrics=pool.fleet.metrics, _last_report=None, _ensure_started=lambda: None,
                                history=types.SimpleNamespace(record=lambda *args: None))
     cls = RolloutPool.func_or_class  # type: ignore[attr-defined]
     if report is not None:
         asyncio.run(cls.report_step(me, {**report, "trajectory_ages": [1, 1], "rejected": {}}))
-    return asyncio.run(cls.status(me))
+    return asyncio.run(cls.status(me)).to_json()
 
 
 def test_table_shows_engines_learner_and_refit():
@@ -29,7 +30,7 @@ def test_table_shows_engines_learner_and_refit():
     pool.fleet.version = 2
     pool.fleet.table.set_version("engine-0", 2)
     pool.fleet.mark_down("engine-1", RuntimeError("engine died:\nCUDA error"))
-    pool.dispatcher.learner = Learner(id="learner-7", since=1000.0)
+    pool.dispatcher.learner = AttachedLearner(id="learner-7", since=1000.0)
     report = {"step": 7, "reward_mean": 0.53125, "gen_kl_error": 1.5e-4, "refit_s": 0.31,
               "refit_bytes": 3 * 1024 ** 2, "refit_pause_s": 0.012}
     text = render(status_of(pool, report), now=1100.0)
