@@ -5,7 +5,7 @@
     inflight pool status [--name N]
     inflight pool scale --engines N [--name N] [--drain-timeout-s S] [--json]   (add or remove engines, live)
     inflight pool shutdown [--name N] [--stop-cluster]
-    inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]   (in the foreground)
+    inflight learner attach --pool NAME --recipe PATH [--run-dir DIR] [--fresh] [key=value ...]   (in the foreground)
     inflight learner submit --pool NAME --recipe PATH [--run-dir DIR] [key=value ...]   (the same, as a Ray job)
     inflight learner status|logs|stop [--pool NAME] [--json] [--follow] [--timeout-s S]
     inflight validate --recipe PATH [key=value ...]     (also checks that the learner supports policy.model_name)
@@ -192,14 +192,18 @@ def _cmd_learner_attach(args: argparse.Namespace) -> int:
     from services.app import run_learner
     from services.cluster import head as cluster
     from services.cluster import ray_runtime
+    from services.run_resume import announced_start
 
     recipe = _recipe(args, [f"rollout_pool.name={args.pool}"])
     check_recipe(recipe, here=True).raise_problems()  # before Ray starts: every problem at once
     run_dir = Path(args.run_dir or recipe.logger.log_dir)
+    start = announced_start(recipe, run_dir, args.fresh)  # as `inflight run`: resume, refuse or start over
+    if isinstance(start, int):
+        return start
     console.setup(run_dir, verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # `learner stop` (Ray Jobs) sends SIGTERM: detach cleanly
-    run_learner(recipe, args.pool, run_dir, resume=True)
+    run_learner(recipe, args.pool, run_dir, resume=start.resume_from is not None)
     return 0
 
 
@@ -302,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = recipe_command(learner, "attach", "attach a learner to a pool and train (resumes from run-dir)",
                        _cmd_learner_attach)
     a.add_argument("--pool", required=True, help="name of the pool to attach to")
+    a.add_argument("--fresh", action="store_true", help="start over: an earlier run's files move to RUN_DIR/previous")
     for sp in (r, d, a, s, x):
         sp.add_argument("-v", "--verbose", action="store_true",
                         help="also print the Ray, Serve and vLLM logs (always written to RUN_DIR/logs; for pool "

@@ -1,4 +1,5 @@
-"""``inflight run`` on a run directory: start a run, resume the one it holds, or (``--fresh``) start over.
+"""``inflight run`` and ``learner attach`` on a run directory: start a run, resume the one it holds, or
+(``--fresh``) start over.
 
 What :func:`start_or_resume` decides, before anything starts (Ray, the pool, the learner):
 
@@ -73,12 +74,9 @@ def start_or_resume(recipe: Recipe, run_dir: Path, fresh: bool) -> RunStart:
     return RunStart(None, 0)
 
 
-def run(recipe: Recipe, run_dir: Path, fresh: bool = False, verbose: bool = False) -> int:
-    """``inflight run``: decide how to start (:func:`start_or_resume`), say it in one line, run the whole loop
-    on this machine (:func:`services.app.run_embedded`); the exit code."""
-    from services.app import run_embedded
-    from services.console import output as console
-
+def announced_start(recipe: Recipe, run_dir: Path, fresh: bool) -> RunStart | int:
+    """:func:`start_or_resume` for ``inflight run`` and ``learner attach``, said in one line on stderr: the
+    start, or the exit code when nothing is to run (2: the directory is refused; 0: it is at its last step)."""
     try:
         start = start_or_resume(recipe, run_dir, fresh)
     except RunDirError as err:
@@ -95,6 +93,18 @@ def run(recipe: Recipe, run_dir: Path, fresh: bool = False, verbose: bool = Fals
     if start.resume_from is not None:
         print(f"inflight: resuming {run_dir} from {start.resume_from.name} (step {start.step}): steps "
               f"{start.step + 1}..{last} follow; --fresh starts over", file=sys.stderr)
+    return start
+
+
+def run(recipe: Recipe, run_dir: Path, fresh: bool = False, verbose: bool = False) -> int:
+    """``inflight run``: decide how to start (:func:`announced_start`), run the whole loop on this machine
+    (:func:`services.app.run_embedded`); the exit code."""
+    from services.app import run_embedded
+    from services.console import output as console
+
+    start = announced_start(recipe, run_dir, fresh)
+    if isinstance(start, int):
+        return start
     console.setup(run_dir, verbose=verbose)
     run_embedded(recipe, run_dir, resume=start.resume_from is not None)
     return 0

@@ -110,3 +110,44 @@ def test_a_symlinked_latest_is_refused_with_the_way_out(recipe, tmp_path):
     latest.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RunDirError, match="is a symlink.*or pass --fresh"):
         start_or_resume(recipe, tmp_path, fresh=False)
+
+
+
+@pytest.fixture
+def attach(monkeypatch):
+    """``learner attach --run-dir DIR [more]`` in this process, and what it handed on: ("ray", address) when it
+    connected, (run_dir, resume) when it called ``run_learner``. No Ray, no checks of the recipe's files."""
+    import signal
+    from types import SimpleNamespace
+
+    from services import cli
+    from services.cluster import ray_runtime
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(cli, "check_recipe", lambda recipe, here: SimpleNamespace(raise_problems=lambda: None))
+    monkeypatch.setattr(console, "setup", lambda run_dir, verbose=False: None)
+    monkeypatch.setattr(cli, "_require_cluster", lambda cluster: "127.0.0.1:1")
+    monkeypatch.setattr(ray_runtime, "connect", lambda address: calls.append(("ray", address)))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(app, "run_learner", lambda recipe, pool, run_dir, resume=True: calls.append((run_dir, resume)))
+
+    def attach(run_dir: Path, *more: str) -> tuple[int, list[tuple]]:
+        calls.clear()
+        code = cli.main(["learner", "attach", "--pool", "p", "--run-dir", str(run_dir), *more, "grpo.max_num_steps=4"])
+        return code, list(calls)
+    return attach
+
+
+def test_learner_attach_starts_resumes_refuses_and_starts_over_as_run_does(tmp_path, attach, capsys):
+    ray = ("ray", "127.0.0.1:1")
+    assert attach(tmp_path / "new") == (0, [ray, (tmp_path / "new", False)])
+    rows(tmp_path / "old", 1, 2, 3)
+    assert attach(tmp_path / "old") == (2, [])  # before: steps 1.. were appended to metrics.jsonl a second time
+    assert "pass --fresh to start over" in capsys.readouterr().err
+    checkpoint(tmp_path / "old", 2)
+    assert attach(tmp_path / "old") == (0, [ray, (tmp_path / "old", True)])
+    assert "from step_000002 (step 2): steps 3..4 follow" in capsys.readouterr().err
+    checkpoint(tmp_path / "done", 4)
+    assert attach(tmp_path / "done") == (0, [])  # at its last step: nothing connects
+    assert attach(tmp_path / "old", "--fresh") == (0, [ray, (tmp_path / "old", False)])
+    assert [p.name for p in (tmp_path / "old").iterdir()] == [PREVIOUS]
