@@ -26,7 +26,7 @@ from services.pool.deployment import RolloutPool
 if TYPE_CHECKING:
     from services.recipe.config import Recipe
 
-__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "shutdown"]
+__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "pool_url", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class DeployedPool:
 
     status: PoolStatus
     http: str
-    """``http://<host>:<port>`` (``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``)."""
+    """``http://<host>:<port>`` and the pool's ``rollout_pool.route_prefix`` when it is not ``/`` (``/metrics``,
+    ``/healthz``, ``/readyz``, ``/v1/status`` follow it)."""
 
     def to_json(self) -> dict:
         """``inflight pool deploy``'s answer: the status's JSON with ``http``."""
@@ -59,7 +60,7 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
     try:
         recipe = _with_served_environment(recipe)
         handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
-                           name=name, route_prefix="/", blocking=False)
+                           name=name, route_prefix=recipe.rollout_pool.route_prefix, blocking=False)
         status: PoolStatus = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
         why = None if status.ready else ("; ".join(status.errors)
                                          or f"engines not ready: {status.to_json()['engines']}")
@@ -71,7 +72,12 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
         release(name)
         raise PoolStartError(f"rollout pool {name!r} did not start: {why} (its Serve application, engines and "
                              f"placement group were removed)")
-    return DeployedPool(status, f"http://{http['host']}:{http_port()}")
+    return DeployedPool(status, pool_url(http["host"], http_port(), recipe.rollout_pool.route_prefix))
+
+
+def pool_url(host: str, port: int, route_prefix: str) -> str:
+    """Base URL of a pool's HTTP endpoints: ``http://<host>:<port>`` then its route prefix, if not ``/``."""
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
 def served_environment_name(pool_name: str) -> str:

@@ -230,7 +230,7 @@ class RolloutPool:
     async def status_page(self):
         await self.token_rates.sample(self.fleet.handles)
         page = render_page((await self.status()).to_json(), list(self.history.points), self.token_rates.rates(),
-                           time.time())
+                           time.time(), self.fleet.recipe.rollout_pool.route_prefix)
         return HTMLResponse(page, headers=security_headers())
 
     def _authorize(self, authorization: str | None) -> None:

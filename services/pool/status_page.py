@@ -334,9 +334,11 @@ def plots_section(points: list[StepPoint]) -> str:
     return f'<p id="run" class="muted">{run}</p><div class="grid" id="plots">{plots}</div>'
 
 
-def render_page(status: dict, points: list[StepPoint], rates: dict[str, float | None], now: float) -> str:
+def render_page(status: dict, points: list[StepPoint], rates: dict[str, float | None], now: float,
+                route_prefix: str = "/") -> str:
     """The whole page for ``status`` (:meth:`services.pool.deployment.RolloutPool.status`), the kept ``points``
-    (oldest first) and the engines' token ``rates``, as of ``now``."""
+    (oldest first) and the engines' token ``rates``, as of ``now``; its links are absolute under the pool's
+    ``route_prefix`` (the page may be opened as ``/<prefix>`` or ``/<prefix>/``; the CSP forbids ``<base>``)."""
     name = _text(status.get("name", "?"))
     flags = [_badge("ready", "ok") if status.get("ready") else _badge("not ready", "bad")]
     flags += [_badge(f, "warn") for f in ("paused", "draining") if status.get(f)]
@@ -351,12 +353,13 @@ def render_page(status: dict, points: list[StepPoint], rates: dict[str, float | 
     cards = (engines_section(status.get("engines") or {}, status.get("version"), rates)
              + learner_section(status.get("learner"), status.get("last_report"), points, now)
              + refits_section(points) + drops_section(points) + errors_html)
+    at = escape(route_prefix.rstrip("/"))
     live = (f'<div id="live"><p class="summary">{summary}</p><div class="grid">{cards}</div>'
             f'{plots_section(points)}</div>')
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{name} - Inflight pool</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><link rel="icon" href="data:,">'
             f'<noscript><meta http-equiv="refresh" content="{REFRESH_S}"></noscript><style>{STYLE}</style></head>'
             f'<body><h1>Inflight rollout pool {name}</h1><p id="conn"></p>{live}'
-            f'<footer>Read-only; updates every {REFRESH_S} s. JSON: <a href="v1/status">/v1/status</a>, '
-            f'<a href="v1/history">/v1/history</a>; Prometheus: <a href="metrics">/metrics</a>.</footer>'
+            f'<footer>Read-only; updates every {REFRESH_S} s. JSON: <a href="{at}/v1/status">/v1/status</a>, '
+            f'<a href="{at}/v1/history">/v1/history</a>; Prometheus: <a href="{at}/metrics">/metrics</a>.</footer>'
             f'<script>{SCRIPT}</script></body></html>')

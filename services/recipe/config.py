@@ -134,6 +134,10 @@ class RolloutPoolConfig(ConfigModel):
     """Address of /healthz, /readyz, /metrics; loopback unless told otherwise."""
     http_port: int = Field(default=8123, ge=0, le=65535)
     """Port of the HTTP endpoints (0 picks a free one)."""
+    route_prefix: str = Field(default="/", pattern=r"^/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?$")
+    """Path under which the pool's HTTP endpoints answer on the cluster's one Serve proxy: ``/`` (the default),
+    or ``/<path>`` (no trailing ``/``) so that several pools serve side by side on one cluster, each at its own
+    prefix (``/<path>/metrics``, ``/<path>/v1/status``, the status page at ``/<path>/``)."""
     admin_token_env: str = "INFLIGHT_ADMIN_TOKEN"
     """Environment variable holding the bearer token for admin endpoints (pause, resume, drain)."""
     max_inflight_groups: int = Field(default=256, ge=1)

@@ -54,6 +54,8 @@ def test_overrides_are_typed_and_applied():
     ("policy.generation.temperature=0", "policy.generation", "temperature > 0"),
     ("rollout_pool.channel_send_timeout_s=0", "rollout_pool.channel_send_timeout_s", "greater than 0"),
     ("rollout_pool.channel_send_timeout_s=soon", "rollout_pool.channel_send_timeout_s", "valid number"),
+    ("rollout_pool.route_prefix=pool", "rollout_pool.route_prefix", "should match pattern"),
+    ("rollout_pool.route_prefix=/pool/", "rollout_pool.route_prefix", "(got '/pool/')"),
 ])
 def test_bad_values_name_the_key(override, path, words):
     with pytest.raises(RecipeError) as err:
