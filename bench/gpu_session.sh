@@ -34,7 +34,9 @@
 #                                 # dense and MoE hybrids; four engine starts of ~90-120 s each on a fresh host)
 #   bash bench/gpu_session.sh O   # the same check on the 1.7B Nano-3-shaped model (bench/nemotron_h_gpu.py install)
 #   bash bench/gpu_session.sh P   # the 1.7B Nemotron-H async on one GPU (recipes/gpu-1xh200-async.yaml), 5 steps;
-#                                 # needs Ray and Megatron-Core in /tmp/site (WITH_RAY_MCORE=1, or their wheels)
+#                                 # needs Ray and Megatron-Core in /tmp/site (WITH_RAY_MCORE=1, or their wheels);
+#                                 # NH_EXTRA: more recipe overrides (e.g. logger.parity_max_gen_kl_ratio=0)
+#   (bench/nemotron_h_noise.py: the 1.7B install vs the engine's own run-to-run noise; see its docstring)
 set -u
 PHASE=${1:?phase A to P}
 OUT=${OUT:-bench/results/gpu_session}
@@ -211,7 +213,8 @@ O)
 P)
   step nemotron_h_async_one_gpu 520 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml --steps 5 \
     --run-dir "$OUT/nemotron_h_async" policy.model_name="$NH_DIR/nemotron-h-a" $SHAPE \
-    policy.generation.vllm_cfg.moe_backend=triton logger.tensorboard_enabled=false checkpointing.enabled=false
+    policy.generation.vllm_cfg.moe_backend=triton logger.tensorboard_enabled=false checkpointing.enabled=false \
+    ${NH_EXTRA:-}
   cp "$OUT/nemotron_h_async/metrics.jsonl" "$OUT/nemotron_h_async_metrics.jsonl" 2>/dev/null
   ;;
 esac
