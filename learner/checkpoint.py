@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory::
 
-    <path>/meta.json            step, policy_version, world size, TP, EP (written by rank 0)
+    <path>/meta.json            step, policy_version, world size, TP, PP, EP (written by rank 0)
     <path>/rank_00000.pt        this rank's model shard (Megatron state dict), the
                                 optimizer's exact inner state (master weights,
                                 Adam moments, step counts), the LR scheduler,
@@ -12,7 +12,7 @@ Layout of a checkpoint directory::
                                 buffered groups; JSON-able values and bytes)
 
 Everything needed for the next step to be bit-identical to not stopping is
-in there; resuming needs the same world size, TP and EP (checked), and the same
+in there; resuming needs the same world size, TP, PP and EP (checked), and the same
 model (every tensor's name and shape, checked: :func:`check_model_state`).
 
 Rank files are read with ``torch.load(weights_only=True)``: tensors, numbers,
@@ -82,7 +82,7 @@ def restore_rng(state: dict) -> None:
 def layout() -> dict:
     from megatron.core import parallel_state as ps
     return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size()}
+            "pp": ps.get_pipeline_model_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
 
 
 def save(path: str | Path, payload: dict, meta: dict) -> None:
@@ -107,7 +107,7 @@ def load(path: str | Path, model_state: dict | None = None) -> tuple[dict, dict]
         raise FileNotFoundError(f"learner checkpoint: no {META_FILE} in {src}")
     meta = json.loads(meta_path.read_text())
     now = layout()
-    saved = {k: meta.get(k) for k in now}
+    saved = {k: meta.get(k, 1 if k == "pp" else None) for k in now}  # checkpoints from before PP: pp 1
     if saved != now:
         raise CheckpointError(f"learner checkpoint {src}: saved with layout {saved}, running with {now}")
     f = rank_file(src, dist.get_rank())

@@ -59,7 +59,8 @@ class MegatronConfig(ConfigModel):
     expert_model_parallel_size: int = Field(default=1, ge=1, le=256)
     """Expert parallelism of the learner (MoE models)."""
     pipeline_model_parallel_size: int = Field(default=1, ge=1, le=64)
-    """Pipeline parallelism of the learner (only 1 is supported so far)."""
+    """Pipeline parallelism of the learner: stages of num_hidden_layers / PP layers each, run by Megatron-Core's
+    1F1B schedule (learner.pipeline); must divide the model's layers (checked when the model is built)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass (saves memory, costs time)."""
     precision: Literal["float32", "bfloat16"] = "bfloat16"
@@ -85,12 +86,6 @@ class MegatronConfig(ConfigModel):
     ``learner.logprobs.DEFAULT_CHUNK`` positions."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
-
-    @model_validator(mode="after")
-    def _pp(self):
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError("pipeline_model_parallel_size: only 1 is supported by this learner")
-        return self
 
 
 class SequencePackingConfig(ConfigModel):

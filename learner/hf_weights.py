@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from learner.hf_config import HFArchitecture
-from learner.hybrid_weights import hybrid_shard_from_hf, hybrid_tensors_from_shards, weight_tensors
+from learner.hybrid_weights import hybrid_shard_from_hf, hybrid_tensors_from_shards
+from learner.pipeline_weights import TIED_OUTPUT, gather_from_stages, is_stage_root, stage_weight_tensors
 from protocol.messages import WeightBucket, WeightManifest
 from protocol.weights import pack_buckets
 
@@ -188,8 +189,10 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArchitecture, model_path: st
     if arch.tie_word_embeddings:
         _check_tied_output(ckpt)
     lay = ParallelLayout.current()
-    for name, param in weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
-        value = megatron_shard_from_hf(name, arch, ckpt.get, lay)
+    for name, param in stage_weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
+        # tied embeddings with PP: the last stage's output layer is a copy of the embedding
+        source = "embedding.word_embeddings.weight" if name == TIED_OUTPUT and arch.tie_word_embeddings else name
+        value = megatron_shard_from_hf(source, arch, ckpt.get, lay)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"{name}: HF tensors give shape {tuple(value.shape)}, "
                              f"Megatron expects {tuple(param.shape)}")
@@ -295,19 +298,24 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
                          metas: list[HFTensorMeta], on_device: bool = False) -> dict[str, torch.Tensor] | None:
     """Gather ``model`` into HF tensors named, typed and shaped as ``metas`` (in that order).
 
-    Collective: every rank of the TP and EP groups must call it. Global rank 0
+    Collective: every rank of the TP, EP and PP groups must call it (:mod:`learner.pipeline_weights`). Global rank 0
     gets the state dict, the other ranks get None. By default it is a CPU copy
     (later training does not change it); ``on_device`` leaves the tensors on
     the model's device, where they may be views of the parameters (use them
     before the next optimizer step)."""
-    keep = (lambda t: t) if on_device else _host_copy
+    # a stage root other than rank 0 (PP > 1) sends from the device; rank 0 keeps what it receives as asked
+    keep = (lambda t: t) if on_device or dist.get_rank() != 0 else _host_copy
     from megatron.core import parallel_state as ps
 
     lay = ParallelLayout.current()
     tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
-    is_root = dist.get_rank() == 0
+    is_root = is_stage_root()  # global rank 0, or with PP the rank that sends its stage's tensors to it
     out: dict[str, torch.Tensor] = {}
-    for name, param in weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
+    device = torch.device("cpu")
+    for name, param in stage_weight_tensors(model):  # parameters and weight buffers (a router's expert_bias)
+        device = param.device
+        if name == TIED_OUTPUT and arch.tie_word_embeddings:
+            continue  # with PP, the last stage's copy of the embedding (the first stage exports it)
         em = _LAYER.match(name)
         local_expert = _EXPERT.match(em.group(2)) if em else None
         if local_expert:
@@ -321,8 +329,10 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
         shards = _all_gather(param.detach(), tp_group) if split else [param.detach()]
         if is_root:
             out.update(hf_tensors_from_shards(name, arch, [keep(s) for s in shards]))
-    if not is_root:
+    gathered = gather_from_stages(out if is_root else None, device, keep)
+    if gathered is None:
         return None
+    out = gathered
     if arch.tie_word_embeddings and any(m.name == _LM_HEAD for m in metas):
         out[_LM_HEAD] = out[_EMBED].clone()  # the source's tied copy; its own storage (safetensors refuses shared)
     return _match_source(out, metas)

@@ -45,12 +45,13 @@ def logprob_chunk(megatron: MegatronConfig) -> int | None:
 
 
 def _language_model(model: torch.nn.Module) -> GPTModel:
-    """The ``GPTModel`` inside ``model``'s wrappers (DDP, ``Float16Module``)."""
+    """The ``GPTModel`` inside ``model``'s wrappers (DDP, ``Float16Module``); with pipeline parallelism the
+    stage's slice of it (only the last stage has an ``output_layer``)."""
     inner = model
-    while not hasattr(inner, "output_layer"):
+    while not hasattr(inner, "decoder"):
         nxt = getattr(inner, "module", None)
         if not isinstance(nxt, torch.nn.Module):
-            raise TypeError(f"no GPTModel (a module with an output_layer) inside {type(model).__name__}")
+            raise TypeError(f"no GPTModel (a module with a decoder) inside {type(model).__name__}")
         inner = nxt
     return cast("GPTModel", inner)
 
@@ -66,17 +67,23 @@ def _hidden_states(gpt: GPTModel) -> Iterator[None]:
         gpt.post_process = saved
 
 
-def _scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None,
-            entropy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The ``[T]`` log-probs of :func:`token_scores` and, with ``entropy``, the entropy of each chunk."""
+def forward_hidden(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """``model``'s output on ``mb`` without the output layer: the final hidden states ``[T, 1, h]``, or with
+    pipeline parallelism this stage's output (a non-first stage reads its input from ``set_input_tensor``)."""
+    images = {"images": mb.images} if isinstance(mb, ImageMicroBatch) else {}
+    with _hidden_states(_language_model(model)):
+        return model(mb.tokens, mb.position_ids, None, packed_seq_params=packed_row(mb.blocks, mb.tokens.device),
+                     **images)
+
+
+def head_scores(model: torch.nn.Module, hidden: torch.Tensor, mb: MicroBatch, chunk: int | None,
+                entropy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """From the final hidden states ``[T, 1, h]`` of ``mb``: the ``[T]`` log-probs of :func:`token_scores` and,
+    with ``entropy``, the entropy of each chunk (the output layer runs here, on the last pipeline stage)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     gpt = _language_model(model)
-    images = {"images": mb.images} if isinstance(mb, ImageMicroBatch) else {}
-    with _hidden_states(gpt):
-        hidden = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed_row(mb.blocks, mb.tokens.device),
-                       **images)
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     hidden = hidden.to(gpt.config.params_dtype)  # [T, 1, h] in the output layer's dtype (Float16Module gives fp32)
     targets = mb.targets.reshape(-1, 1)  # [s, b]
@@ -99,6 +106,12 @@ def _scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None,
         lps.append(lp)
         ents.append(ent)
     return (lps[0] if len(lps) == 1 else torch.cat(lps)), [e for e in ents if e is not None]
+
+
+def _scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None,
+            entropy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The ``[T]`` log-probs of :func:`token_scores` and, with ``entropy``, the entropy of each chunk."""
+    return head_scores(model, forward_hidden(model, mb), mb, chunk, entropy)
 
 
 def token_scores(model: torch.nn.Module, mb: MicroBatch, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,21 +137,6 @@ def response_slices(mb: MicroBatch, prompt_lengths: list[int]) -> list[slice]:
             raise ValueError(f"sequence {seg.index}: prompt length {p} must be in [1, {seg.length - 1}]")
         out.append(slice(seg.start + p - 1, seg.start + seg.length - 1))
     return out
-
-
-@torch.no_grad()
-def response_logprobs_no_grad(model: torch.nn.Module, micro_batches: list[MicroBatch], prompt_lengths: list[int],
-                              num_sequences: int, chunk: int | None = None) -> list[torch.Tensor]:
-    """Response log-probs of every sequence (by input index) without building a graph."""
-    result: list[torch.Tensor | None] = [None] * num_sequences
-    for mb in micro_batches:
-        lp = token_logprobs(model, mb, chunk)
-        for seg, sl in zip(mb.segments, response_slices(mb, prompt_lengths), strict=True):
-            result[seg.index] = lp[sl].detach().cpu()
-    missing = [i for i, r in enumerate(result) if r is None]
-    if missing:
-        raise ValueError(f"sequences {missing[:5]} are in no micro-batch")
-    return [r for r in result if r is not None]  # all present (checked above)
 
 
 ENTROPY_CHUNK_ROWS = 1024

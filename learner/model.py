@@ -17,6 +17,7 @@ docs/learner.md, "Model building".
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
@@ -65,18 +66,20 @@ def init_distributed(megatron: MegatronConfig, seed: int) -> None:
                                 timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S))
     limit_gpu_memory(megatron)  # before the first allocation of the model
     tp, ep = megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size
+    pp = megatron.pipeline_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size())
-        if have != (tp, ep):
-            raise RuntimeError(f"Megatron parallel state already initialised with (TP, EP) = {have}, "
-                               f"the learner asks for {(tp, ep)}")
+        if have != (tp, pp, ep):
+            raise RuntimeError(f"Megatron parallel state already initialised with (TP, PP, EP) = {have}, "
+                               f"the learner asks for {(tp, pp, ep)}")
     else:
         world = dist.get_world_size()
-        if world % tp or world % ep:
-            raise ValueError(f"world size {world} must be divisible by tensor_model_parallel_size={tp} "
-                             f"and expert_model_parallel_size={ep}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        if world % (tp * pp) or (world // pp) % ep:
+            raise ValueError(f"world size {world} must be divisible by tensor_model_parallel_size={tp} x "
+                             f"pipeline_model_parallel_size={pp}, and world / PP by expert_model_parallel_size={ep}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -153,18 +156,21 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig) -> Transf
 
     bf16 = megatron.precision == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    tp = megatron.tensor_model_parallel_size
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     if arch.num_key_value_heads % tp or arch.num_attention_heads % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide num_attention_heads="
                          f"{arch.num_attention_heads} and num_key_value_heads={arch.num_key_value_heads}")
-    return TransformerConfig(
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} must divide the model's num_hidden_layers "
+                         f"({arch.num_layers}): every stage holds as many layers")
+    config = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
         ffn_hidden_size=arch.intermediate_size, normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=megatron.expert_model_parallel_size, expert_tensor_parallel_size=1,
         sequence_parallel=False, calculate_per_token_loss=True,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
@@ -173,6 +179,11 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig) -> Transf
         mrope_section=list(arch.mrope_section) if arch.mrope_section else None,
         **_recompute_options(megatron), **_moe_options(arch, megatron),
     )
+    # PP: stages send each packed row's shape before it (rows differ in length). Set after the checks: Megatron
+    # refuses it with the allgather dispatcher (even for a dense model), whose EP ranks must see equal shapes:
+    # the learner pads every EP round to equal shapes anyway (learner.packing.deal)
+    config.variable_seq_lengths = pp > 1
+    return config
 
 
 def define_missing_te_symbols() -> None:
@@ -227,6 +238,11 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules  # pyright: ignore[reportAttributeAccessIssue]
     attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend))
+    pp = megatron.pipeline_model_parallel_size
+    if pp > 1 and (arch.hybrid is not None or arch.vision is not None):
+        kind = "hybrid" if arch.hybrid is not None else "vision-language"
+        raise ValueError(f"pipeline_model_parallel_size={pp}: pipeline parallelism is implemented for decoder-only "
+                         f"GPT families; model_type {arch.model_type!r} ({kind}) needs pipeline_model_parallel_size 1")
     if arch.hybrid is not None:  # Nemotron-H: Mamba2 / attention / MLP / MoE layers (learner.hybrid_model)
         from learner.hybrid_model import build_hybrid_model
         core = spec.submodules.self_attention.submodules.core_attention  # pyright: ignore[reportAttributeAccessIssue]
@@ -240,11 +256,19 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
         cls = VisionLanguageGPT
         vision = dict(visual=build_vision_tower(arch.model_type, arch.vision), vision_spec=arch.vision,
                       frozen_tower=freeze_vision_tower)
-    model = cls(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
-                max_sequence_length=arch.max_position_embeddings, pre_process=True, post_process=True,
-                parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                position_embedding_type="mrope" if arch.mrope_section else "rope", rotary_base=int(arch.rope_theta),
-                rope_scaling=scaling is not None, rope_scaling_factor=scaling.factor if scaling else 8.0, **vision)
+    from megatron.core import parallel_state as ps
+
+    from learner.cpu_compat import device_redirect
+
+    # with PP each stage builds its slice: the first the embedding, the last the output layer (tied embeddings: a
+    # copy that Megatron all-reduces once, on the GPU: hence the redirect, a no-op on GPU)
+    with device_redirect() if pp > 1 else contextlib.nullcontext():
+        model = cls(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+                    max_sequence_length=arch.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(),
+                    parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                    position_embedding_type="mrope" if arch.mrope_section else "rope", rotary_base=int(arch.rope_theta),
+                    rope_scaling=scaling is not None, rope_scaling_factor=scaling.factor if scaling else 8.0, **vision)
     if scaling is not None:
         _set_llama3_frequencies(model, arch, scaling)
     if torch.cuda.is_available():

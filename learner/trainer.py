@@ -1,19 +1,16 @@
 """The learner: one GRPO step per call on a global batch of trajectory groups.
 
-:meth:`Learner.train_step` keeps the valid samples and their group-relative
-advantages (overlong ones filtered out of the loss when asked), splits them into
-``train_global_batch_size``-trajectory optimizer steps (one by default), packs
-each into micro-batches dealt over data-parallel ranks, runs forward/backward of
-``Σ loss_t / N`` per micro-batch (π_prev: that same forward, detached, with one
-optimizer step; a no-grad forward of the whole batch before the first update
-with several; π_ref from a frozen copy when the KL penalty is on), and applies a
-Megatron optimizer step only if its loss and every gradient are finite;
-otherwise that optimizer step is skipped and changes nothing. A vision-language
-policy also takes each prompt's images (docs/multimodal_learner.md).
+:meth:`Learner.train_step` keeps the valid samples and their group-relative advantages (overlong ones
+filtered out of the loss when asked), splits them into ``train_global_batch_size``-trajectory optimizer steps
+(one by default), packs each into micro-batches dealt over data-parallel ranks, runs forward/backward of
+``Σ loss_t / N`` per micro-batch through the pipeline stages (:mod:`learner.pipeline`; π_prev: that same
+forward, detached, with one optimizer step; a no-grad forward of the whole batch before the first update with
+several; π_ref from a frozen copy when the KL penalty is on), and applies a Megatron optimizer step only if its
+loss and every gradient are finite; otherwise that optimizer step is skipped and changes nothing. A
+vision-language policy also takes each prompt's images (docs/multimodal_learner.md).
 
-One process per rank (Ray actors in production, spawned processes in tests);
-every method that touches weights is collective over the model's ranks. The
-step in detail: docs/learner.md, "A step" and "The loss".
+One process per rank (Ray actors in production, spawned processes in tests); every method that touches
+weights is collective over the model's ranks. The step in detail: docs/learner.md, "A step" and "The loss".
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -31,12 +28,13 @@ from learner import checkpoint, hf_weights, seq_filter
 from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
-from learner.logprobs import logprob_chunk, response_logprobs_no_grad, token_logprobs, token_scores
+from learner.logprobs import head_scores, logprob_chunk
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.mrope_positions import ImageInputs, with_images
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
 from learner.packing import MicroBatch, deal, pack
+from learner.pipeline import finish_grads, from_last_stage, pipeline_group, response_logprobs, run_micro_batches
 from protocol.messages import TrajectoryGroup, WeightBucket, WeightManifest
 
 if TYPE_CHECKING:
@@ -140,24 +138,17 @@ class Learner:
         from megatron.core import parallel_state as ps
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
-    @staticmethod
-    def _ep() -> int:
-        from megatron.core import parallel_state as ps
-        return ps.get_expert_model_parallel_world_size()
-
     # ------------------------------------------------------------------ batch preparation
 
     def _collect(self, groups: list[TrajectoryGroup], images: dict[str, ImageInputs] | None = None) -> StepBatch:
         return collect(groups, self.max_total_sequence_length, self.normalize_rewards, self.step_cfg, images,
                        self.arch.vision)
 
-    def _split(self, batch: StepBatch) -> list[list[Sample]]:
-        return split(batch, self.step_cfg.train_global_batch_size)
-
     def _prepare(self, samples: list[Sample]) -> Prepared:
         dp_rank, dp_size, _ = self._dp()
         micro_batches, fill = self._pack([s.tokens for s in samples]) if samples else ([], 0.0)
-        mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=self._ep() > 1)
+        ep = hf_weights.ParallelLayout.current().ep_size
+        mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=ep > 1)
         mine = with_images(mine, [s.prompt_len for s in samples], [s.images for s in samples], self.arch.vision)
         return Prepared(samples, [mb.to(self.device) for mb in mine], fill, len(micro_batches), pad_tokens)
 
@@ -179,11 +170,11 @@ class Learner:
         batch = self._collect(groups, images)
         _, _, dp_group = self._dp()
         self.model.train()
-        minis = self._split(batch)
+        minis = split(batch, self.step_cfg.train_global_batch_size)
         if self.loss_cfg.force_on_policy_ratio and len(minis) > 1:
             raise ValueError(f"loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch, got "
-                             f"{len(minis)} (policy.train_global_batch_size="
-                             f"{self.step_cfg.train_global_batch_size}); expected None or the whole batch")
+                             f"{len(minis)} (policy.train_global_batch_size={self.step_cfg.train_global_batch_size}); "
+                             "expected None or the whole batch")
         preps = [self._prepare(samples) for samples in minis]
         threshold = self.step_cfg.seq_logprob_error_threshold
         filtering = seq_filter.active(self.loss_cfg, threshold)
@@ -208,6 +199,7 @@ class Learner:
         shares = [n / n_total if len(preps) > 1 and n_total > 0 else 1.0 for n in n_mini]
         outcomes = [self._optimizer_step(p, n, share, lp_prev, stats)
                     for p, n, share, lp_prev in zip(preps, n_mini, shares, prev, strict=True)]
+        stats.all_reduce(pipeline_group(), self.device)  # the last stage's (the others have none)
         stats.all_reduce(dp_group, self.device)
         seq_stats.all_reduce(dp_group, self.device)
 
@@ -227,9 +219,8 @@ class Learner:
         elapsed = time.perf_counter() - t_start
         total_tokens = float(sum(s.tokens.size for s in batch.samples))
         num_micro = sum(p.num_micro_batches for p in preps)
-        fill = (sum(p.fill * p.num_micro_batches for p in preps) / num_micro) if num_micro else 0.0
-        if len(preps) == 1:
-            fill = preps[0].fill
+        fill = preps[0].fill if len(preps) == 1 else (sum(p.fill * p.num_micro_batches for p in preps) / num_micro
+                                                     if num_micro else 0.0)
         valid = max(len(batch.rewards), 1)
         metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {})}
         metrics.update({
@@ -269,12 +260,12 @@ class Learner:
         lp_ref = self._logprobs_by_index(self.reference, mine, samples) if self.reference is not None else None
         self.model.zero_grad_buffer()
         self.optim.zero_grad()
-        local_loss = 0.0
-        for mb in mine:
-            lp, entropy = token_scores(self.model, mb, self.logprob_chunk)
+        local_loss = [0.0]
+
+        def head(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:  # on the last pipeline stage
+            lp, ents = head_scores(self.model, hidden, mb, self.logprob_chunk, entropy=True)
             if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
-                lp[:0].sum().backward()
-                continue
+                return lp[:0].sum()
             at = torch.cat(trained_positions(mb, samples)).to(lp.device)  # sampled tokens only (learner.batch)
             lp_resp = lp[at]
             # one optimizer step: every forward of the step runs on the weights the step started from, so
@@ -282,18 +273,21 @@ class Learner:
             prev = lp_resp.detach() if lp_prev is None else torch.cat([lp_prev[seg.index] for seg in mb.segments])
             x = self._token_inputs(mb, samples, prev, lp_ref)
             loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
-            parts["entropy"] = entropy[at.to(entropy.device)].to(lp_resp.dtype)
+            parts["entropy"] = torch.cat(ents)[at.to(ents[0].device)].to(lp_resp.dtype)
             mb_loss = loss_t.sum() / n_global
-            mb_loss.backward()
             value = float(mb_loss.detach())
-            local_loss += value
+            local_loss[0] += value
             stats.add(parts, value * loss_share)
-        self.model.finish_grad_sync()
+            return mb_loss
 
-        loss = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+        run_micro_batches(self.model, mine, head, forward_only=False)
+        finish_grads(self.model)
+
+        loss = torch.tensor(local_loss, dtype=torch.float64, device=self.device)  # the last stage's
         _, dp_size, dp_group = self._dp()
-        if dp_size > 1:
-            dist.all_reduce(loss, group=dp_group)
+        for group in (pipeline_group(), cast(dist.ProcessGroup, dp_group)):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(loss, group=group)
         nonfinite_loss = not bool(torch.isfinite(loss).all())
         nonfinite_grad = self._any_nonfinite_grad()
         applied, grad_norm = False, float("nan")
@@ -308,14 +302,19 @@ class Learner:
 
     def _logprobs_by_index(self, model, micro_batches: list[MicroBatch],
                            samples: list[Sample]) -> dict[int, torch.Tensor]:
-        """No-grad log-probs of each sequence's trained tokens, by sequence index."""
+        """No-grad log-probs of each sequence's trained tokens, by sequence index (on every pipeline stage)."""
         out: dict[int, torch.Tensor] = {}
+
+        def head(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+            lp = head_scores(model, hidden, mb, self.logprob_chunk, entropy=False)[0]
+            for seg, at in zip(mb.segments, trained_positions(mb, samples), strict=True):
+                out[seg.index] = lp[at.to(lp.device)]
+            return lp.sum()
+
         with torch.no_grad():
-            for mb in micro_batches:
-                lp = token_logprobs(model, mb, self.logprob_chunk)
-                for seg, at in zip(mb.segments, trained_positions(mb, samples), strict=True):
-                    out[seg.index] = lp[at.to(lp.device)]
-        return out
+            run_micro_batches(model, micro_batches, head, forward_only=True)
+        sizes = {seg.index: samples[seg.index].num_trained for mb in micro_batches for seg in mb.segments}
+        return from_last_stage(out, sizes, self.device)
 
     def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                       lp_ref: dict[int, torch.Tensor] | None) -> TokenInputs:
@@ -346,8 +345,8 @@ class Learner:
         micro_batches, _ = pack(seqs, budget, self.packing.enabled)
         micro_batches = with_images(micro_batches, [len(p) for p in prompt_ids], pics, self.arch.vision)
         self.model.eval()
-        lps = response_logprobs_no_grad(self.model, [mb.to(self.device) for mb in micro_batches],
-                                        [len(p) for p in prompt_ids], len(seqs), self.logprob_chunk)
+        lps = response_logprobs(self.model, [mb.to(self.device) for mb in micro_batches], [len(p) for p in prompt_ids],
+                                [len(r) for r in response_ids], self.logprob_chunk)
         return [lp.float().numpy() for lp in lps]
 
     # ------------------------------------------------------------------ weights out

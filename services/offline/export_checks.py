@@ -27,9 +27,10 @@ class ExportError(Exception):
 
 
 def check_layout(recipe: Recipe, recipe_path: Path, meta: dict, ckpt: Path) -> None:
-    """``ExportError`` unless ``recipe``'s TP and EP are those ``meta`` (the checkpoint's) was saved with."""
+    """``ExportError`` unless ``recipe``'s TP, PP and EP are those ``meta`` (the checkpoint's) was saved with."""
     m = recipe.policy.megatron_cfg
     pairs = [("tensor_model_parallel_size", m.tensor_model_parallel_size, meta.get("tp", 1)),
+             ("pipeline_model_parallel_size", m.pipeline_model_parallel_size, meta.get("pp", 1)),
              ("expert_model_parallel_size", m.expert_model_parallel_size, meta.get("ep", 1))]
     for key, want, saved in pairs:
         if saved is not None and int(saved) != want:
