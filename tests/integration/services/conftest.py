@@ -1,4 +1,4 @@
-"""Fixtures for the services integration tests: one private local Ray cluster per session.
+"""Fixtures for the services integration tests: one private local Ray cluster per session, and the data pool.
 
 Another Ray cluster may be running on the machine, so the cluster is always a
 fresh local one (``address="local"``) with its own temp dir, no dashboard and a
@@ -33,15 +33,11 @@ def ray_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests on the session-wide ``data_pool`` run last (stable order otherwise): Serve's HTTP proxy gives the route
-    prefix "/" to one application per cluster, so another pool can only deploy while the data pool is not up."""
-    items.sort(key=lambda item: "data_pool" in getattr(item, "fixturenames", ()))
-
-
 @pytest.fixture(scope="session")
 def data_pool(ray_cluster, tmp_path_factory):
-    """A deployed pool scoring with ``env.math`` (tests/integration/services/data_pool.py); yields its recipe."""
+    """A deployed pool scoring with ``env.math`` (tests/integration/services/data_pool.py); yields its recipe.
+    It answers at route prefix "/" and stays up from its first test to the end of the session; every other pool
+    deployed on the session's cluster takes its own ``rollout_pool.route_prefix``, so tests run in file order."""
     from services import pool as pool_api
     from services.app import deploy_pool
 

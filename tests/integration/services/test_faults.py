@@ -47,7 +47,8 @@ TOKEN = "fault-admin-token"
 NUM_ENGINES = 2
 CHANNEL_SEND_TIMEOUT_S = 3.0
 POOL_OVERRIDES = (f"rollout_pool.name={POOL_NAME}", f"rollout_pool.num_engines={NUM_ENGINES}",
-                  f"rollout_pool.channel_send_timeout_s={CHANNEL_SEND_TIMEOUT_S}")
+                  f"rollout_pool.channel_send_timeout_s={CHANNEL_SEND_TIMEOUT_S}",
+                  "rollout_pool.route_prefix=/fault-pool")  # its own path: the session's data pool has "/"
 
 
 def bucket_refs(buckets) -> list:

@@ -27,6 +27,8 @@ from test_pool_and_loops import tiny_recipe
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 POOL_NAME = "inflight-hang-pool"
+POOL = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.route_prefix=/hang-pool")
+"""Its name, and its own path on the proxy (the session's data pool has "/")."""
 
 
 @contextmanager
@@ -69,7 +71,7 @@ def first_step_times_out(job):
 def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, tmp_path):
     hang = tmp_path / "hang.py"
     hang.write_text("import time\n\ndef reward(batch):\n    time.sleep(3600)\n")
-    recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", f"env.reward_fn={hang}:reward", "env.reward_timeout_s=2",
+    recipe = tiny_recipe(*POOL, f"env.reward_fn={hang}:reward", "env.reward_timeout_s=2",
                          "policy.generation.request_timeout_s=10", "policy.generation.max_retries=1",
                          "rollout_pool.channel_send_timeout_s=5", "grpo.max_num_steps=1",
                          "grpo.async_grpo.enabled=false")
@@ -93,7 +95,7 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
     from protocol import ProtocolError, TrajectoryGroup, decode
     from services import pool as pool_api
 
-    recipe = tiny_recipe(f"rollout_pool.name={POOL_NAME}", "policy.max_total_sequence_length=256",
+    recipe = tiny_recipe(*POOL, "policy.max_total_sequence_length=256",
                          "policy.generation.max_new_tokens=200", f"policy.generation.request_timeout_s={REQUEST_TIMEOUT_S}",
                          f"policy.generation.max_retries={MAX_RETRIES}",
                          f"rollout_pool.channel_send_timeout_s={REQUEST_TIMEOUT_S / 2}", "grpo.max_num_steps=1",

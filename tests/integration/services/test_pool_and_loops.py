@@ -39,7 +39,7 @@ def pool(ray_cluster, tmp_path_factory):
     from services.app import deploy_pool
 
     os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
-    recipe = tiny_recipe()
+    recipe = tiny_recipe("rollout_pool.route_prefix=/pool")  # its own path: the session's data pool has "/"
     deployed = deploy_pool(recipe, tmp_path_factory.mktemp("pool"))
     assert deployed.status.ready, deployed
     yield recipe, deployed.http

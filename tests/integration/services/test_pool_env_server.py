@@ -66,7 +66,8 @@ def test_environment_server_failures_fail_their_samples_and_the_pool_goes_on(ray
     from services.recipe.config import load_recipe
 
     recipe = load_recipe(None, [
-        "rollout_pool.name=inflight-env-server-pool", "grpo.num_prompts_per_step=2",
+        "rollout_pool.name=inflight-env-server-pool", "rollout_pool.route_prefix=/env-server-pool",
+        "grpo.num_prompts_per_step=2",
         f"grpo.num_generations_per_prompt={GROUP}", "policy.generation.max_new_tokens=8",
         f"env.{ENV}.url={judge}", f"env.{ENV}.step_timeout_s=1", f"env.{ENV}.max_retries=1",
         f"env.{ENV}.retry_backoff_s=0.05", "logger.tensorboard_enabled=false"])

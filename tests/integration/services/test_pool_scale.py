@@ -29,7 +29,8 @@ from services.job.run_log import StepTimer
 
 POOL_NAME = "inflight-scale-pool"
 TOKEN = "scale-admin-token"
-POOL_OVERRIDES = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.num_engines=1")
+POOL_OVERRIDES = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.num_engines=1",
+                  "rollout_pool.route_prefix=/scale-pool")  # its own path: the session's data pool has "/"
 ENGINE_0, ENGINE_1 = f"{POOL_NAME}-engine-0", f"{POOL_NAME}-engine-1"
 MAX_STEPS = 200  # the run ends two steps after the scale-down, or at RUN_BUDGET_S
 RUN_BUDGET_S = 300.0

@@ -61,7 +61,8 @@ def test_a_placement_the_cluster_cannot_grant_fails_deploy_at_once_and_removes_t
     from services import pool as pool_api
     from services.pool.startup import PoolStartError
 
-    recipe = load_recipe(None, [*COLOCATED, "cluster.gpus_per_node=1", "rollout_pool.name=startup-no-gpu"])
+    recipe = load_recipe(None, [*COLOCATED, "cluster.gpus_per_node=1", "rollout_pool.name=startup-no-gpu",
+                                "rollout_pool.route_prefix=/startup-no-gpu"])
     t0 = time.monotonic()
     with pytest.raises(PoolStartError, match=r"'startup-no-gpu' did not start: .*needs 1 whole GPUs .* the Ray "
                                              r"cluster has 0 in all"):
