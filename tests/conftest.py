@@ -14,6 +14,13 @@ from time_budget import (  # noqa: F401  (hooks: each module's seconds, tests/bu
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+"""On CPU, vLLM 0.32 then runs the model worker inside the engine core process (the "uni" executor) instead of a
+third process of its own (vllm/platforms/cpu.py switches "uni" to "mp" only when it is 1): one fewer process to
+start and import per engine, about 15 s of the ~57 s a one-engine pool took to deploy on 2 cores (42 s with it).
+``AsyncLLM`` keeps its engine core in a child process either way, so the tests that kill the engine core still
+kill a process of its own. Set before Ray starts, so the session's cluster, its actors and the CLI subprocesses
+inherit it, as the GPU hosts do (docs/gpu.md)."""
 
 
 def _has_gpu() -> bool:
