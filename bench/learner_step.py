@@ -113,7 +113,7 @@ def make_shaped_model(out: Path, shape: str) -> Path:
     return out
 
 
-def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
+def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = "loop") -> dict:
     """One learner (``backend``, ``mb_tokens``) on a fresh batch: the measured medians (module docstring)."""
     import torch
 
@@ -126,7 +126,7 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
     seq_len = min(args.seq_len, mb_tokens)
     megatron = MegatronConfig(precision="bfloat16" if cuda else "float32", optimizer=OptimizerConfig(lr=1e-5),
                               attention_backend=backend, logprob_chunk_size=args.chunk,
-                              activation_checkpointing=args.recompute)
+                              activation_checkpointing=args.recompute, moe_grouped_gemm=experts == "grouped")
     learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=mb_tokens),
                       max_total_sequence_length=seq_len)
     rng = np.random.default_rng(0)
@@ -201,7 +201,7 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int) -> dict:
     bare_tps = tokens / float(np.median(bare_s))
     peak = args.peak_tflops * 1e12
     result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
-              "precision": megatron.precision, "attention_backend": backend, "logprob_chunk_size": args.chunk,
+              "precision": megatron.precision, "experts": experts, "attention_backend": backend, "logprob_chunk_size": args.chunk,
               "activation_checkpointing": args.recompute,
               "parameters": params, "active_parameters": active, "max_sequence_length": seq_len,
               "tokens_per_step": tokens,
@@ -229,6 +229,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--mb-tokens", default="1024", help="comma list of packing budgets")
     ap.add_argument("--backends", default="auto", help="comma list of policy.megatron_cfg.attention_backend")
+    ap.add_argument("--experts", default="loop", help="comma list: loop (per-expert GEMMs), grouped "
+                    "(policy.megatron_cfg.moe_grouped_gemm)")
     ap.add_argument("--chunk", type=int, default=None, help="policy.megatron_cfg.logprob_chunk_size")
     ap.add_argument("--seq-len", type=int, default=8192, help="longest sequence with --shape")
     ap.add_argument("--tokens-per-mb", type=float, default=0.0, help="batch size in budgets (0: --groups)")
@@ -250,12 +252,13 @@ def main() -> None:
                  make_tiny_model(where / args.arch, seed=0, arch=args.arch, size=args.size))
     results = []
     for budget in (int(b) for b in args.mb_tokens.split(",")):
-        for backend in args.backends.split(","):
+        for backend, experts in ((b, e) for b in args.backends.split(",") for e in args.experts.split(",")):
             t0 = time.perf_counter()
             try:
-                r = run_one(args, model_dir, backend, budget)
+                r = run_one(args, model_dir, backend, budget, experts)
             except torch.OutOfMemoryError as err:
-                r = {"arch": args.shape or args.arch, "attention_backend": backend, "train_mb_tokens": budget,
+                r = {"arch": args.shape or args.arch, "experts": experts, "attention_backend": backend,
+                     "train_mb_tokens": budget,
                      "logprob_chunk_size": args.chunk, "oom": str(err).splitlines()[0][:200]}
             gc.collect()
             if torch.cuda.is_available():

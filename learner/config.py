@@ -65,6 +65,9 @@ class MegatronConfig(ConfigModel):
     """Recompute activations in the backward pass (saves memory, costs time)."""
     precision: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter/compute dtype; the optimizer keeps fp32 master weights for bf16."""
+    moe_grouped_gemm: bool = False
+    """MoE experts as grouped GEMMs (learner.grouped_experts: torch._grouped_mm over all of a rank's experts)
+    instead of Megatron's loop of per-expert GEMMs; Megatron's name. Dense and hybrid models ignore it."""
     freeze_moe_router: bool = False
     """Keep the MoE router's weights fixed (NeMo-RL's GRPO default: a trained router lets the engines' expert
     choice drift from the learner's); no effect on a dense model."""

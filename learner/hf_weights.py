@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from learner import grouped_experts
 from learner.hf_config import HFArchitecture
 from learner.hybrid_weights import hybrid_shard_from_hf, hybrid_tensors_from_shards
 from learner.pipeline_weights import TIED_OUTPUT, gather_from_stages, is_stage_root, stage_weight_tensors
@@ -148,6 +149,9 @@ def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str]
         return _chunk(hf(p + "mlp.down_proj.weight"), tp, r, 1)
     if rest == "mlp.router.weight":
         return hf(p + "mlp.gate.weight")
+    if grouped_experts.GROUPED.match(rest):  # policy.megatron_cfg.moe_grouped_gemm: the rank's experts stacked
+        per_rank = arch.experts_per_rank(lay.ep_size)
+        return grouped_experts.shard_from_hf(rest, p, hf, lay.ep_rank * per_rank, per_rank)
     m = _EXPERT.match(rest)
     if m:
         expert = lay.ep_rank * arch.experts_per_rank(lay.ep_size) + int(m.group(1))
@@ -317,6 +321,12 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture,
         if name == TIED_OUTPUT and arch.tie_word_embeddings:
             continue  # with PP, the last stage's copy of the embedding (the first stage exports it)
         em = _LAYER.match(name)
+        if em and grouped_experts.GROUPED.match(em.group(2)):  # stacked experts: every EP rank's stack, in order
+            stacks = _all_gather(param.detach(), ep_group)
+            if is_root:
+                out.update((k, keep(v)) for k, v in grouped_experts.hf_from_whole(
+                    em.group(2), f"model.layers.{em.group(1)}.", stacks))
+            continue
         local_expert = _EXPERT.match(em.group(2)) if em else None
         if local_expert:
             per_rank = arch.experts_per_rank(lay.ep_size)

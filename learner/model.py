@@ -236,6 +236,11 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
         define_missing_te_symbols()
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if arch.is_moe and megatron.moe_grouped_gemm and arch.hybrid is None:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from learner.grouped_experts import GroupedExperts
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)  # pyright: ignore[reportAttributeAccessIssue]
     attention = spec.submodules.self_attention.submodules  # pyright: ignore[reportAttributeAccessIssue]
     attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend))
     pp = megatron.pipeline_model_parallel_size

@@ -49,7 +49,7 @@ def _worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> None:
     shutdown_distributed()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3_moe"])
 def test_two_stages_equal_one_process(family, family_models, tmp_path):
     from learner.config import SequencePackingConfig
     from learner.hf_weights import export_hf_state_dict
