@@ -12,6 +12,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from protocol.pool_client import PoolClient
 from services import pool as pool_api
 from services.cluster import ray_runtime
 from services.console import output as console
@@ -52,10 +53,9 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
     model_path = resolve_policy_model(recipe.policy)
     save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from
     with startup_progress.phase("starting the learner (Megatron ranks, data, checkpoint)"):
-        handle = pool_api.connect(pool_name)
-        learner = LearnerGroup(recipe, model_path,
-                               colocation=handle.colocation_group.remote().result(timeout_s=60))
-        job = LearnerJob(recipe, model_path, handle, learner, run_dir, resume=resume)
+        client = PoolClient(pool_api.connect(pool_name))
+        learner = LearnerGroup(recipe, model_path, colocation=client.colocation_group())
+        job = LearnerJob(recipe, model_path, client, learner, run_dir, resume=resume)
     startup_progress.note("training: the first prompts go to the pool; the progress bar follows")
     try:
         if recipe.grpo.async_grpo.enabled:

@@ -39,7 +39,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from protocol.pool_replies import PoolStatus
+from protocol.pool_client import PoolClient
 from services.cluster.auth import ClusterConnectError
 from services.console import output as console
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
@@ -128,7 +128,7 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
     from services.cluster import ray_runtime
     console.setup(cluster.state_dir(), verbose=args.verbose)
     ray_runtime.connect(_require_cluster(cluster))
-    status: PoolStatus = pool.connect(args.name).status.remote().result(timeout_s=60)
+    status = PoolClient(pool.connect(args.name)).status()
     if args.json:
         print(json.dumps(status.to_json(), indent=2, default=str))
     else:

@@ -5,8 +5,8 @@
 ``wake_engines``). The job holds the parts behind them: the prompt book (:mod:`services.job.prompt_book`),
 the parity probe (:mod:`services.job.parity`), the weight transport (:mod:`services.refit`), skipped steps
 (:mod:`services.job.skips`), the validator (:mod:`services.job.validation`), the run log and checkpoints.
-It reaches the pool only through its DeploymentHandle; what each verb does is in ``docs/architecture.md``
-("The learner job").
+It reaches the pool only through its DeploymentHandle, wrapped in typed calls (``protocol.pool_client``); what
+each verb does is in ``docs/architecture.md`` ("The learner job").
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol import PromptRequest, encode
-from protocol.pool_replies import UndeliveredPrompt
+from protocol.pool_client import PoolClient
 from services.data.learner_images import LearnerImages
 from services.data.prompt_source import PromptSource, validation_prompts
 from services.job.batch_stats import batch_stats
@@ -46,7 +46,6 @@ log = logging.getLogger("inflight.job")
 REFIT_ATTEMPTS = 3
 UNDELIVERED_POLL_S = 5.0
 """How often ``collect`` asks the pool for prompts its engines could not deliver to this job's channel."""
-ENGINE_SLEEP_TIMEOUT_S = 600.0
 
 
 class StepTimeout(TimeoutError):
@@ -54,11 +53,12 @@ class StepTimeout(TimeoutError):
 
 
 class LearnerJob:
-    def __init__(self, recipe: Recipe, model_path: str, pool: DeploymentHandle, learner: LearnerGroup,
+    def __init__(self, recipe: Recipe, model_path: str, pool: PoolClient | DeploymentHandle, learner: LearnerGroup,
                  run_dir: str | Path, resume: bool = True):
         """Attach to ``pool`` with a new channel; with ``resume``, continue from the run directory's latest
         checkpoint if there is one."""
-        self.recipe, self.pool, self.learner = recipe, pool, learner
+        self.recipe, self.learner = recipe, learner
+        self.pool = PoolClient.of(pool)  # protocol.pool_client: the pool's calls, typed
         self.id = f"learner-{uuid.uuid4().hex[:8]}"
         g, gen = recipe.grpo, recipe.policy.generation
         self.last_step, self.group_size = g.max_num_steps, g.num_generations_per_prompt
@@ -70,10 +70,10 @@ class LearnerJob:
                                failures=FailureLog(run_dir, recipe.data.env_name or recipe.env.reward_fn,
                                                    g.num_generations_per_prompt))
         self.images = LearnerImages.of(recipe.data, model_path)  # services.data.learner_images (text data: none)
-        self.parity = ParityProbe(recipe.logger, pool, learner)  # services.job.parity: the rule of invariant 1
+        self.parity = ParityProbe(recipe.logger, self.pool, learner)  # services.job.parity: the rule of invariant 1
         self.step = 0
         self.version = learner.version()
-        self.refit = make_refit(recipe, pool, learner)
+        self.refit = make_refit(recipe, self.pool.handle, learner)
         self.last_refit: RefitResult | None = None
         self.pushed_version = -1  # the version last pushed to the engines
         self.skips = SkippedSteps(g.max_consecutive_skipped_steps)
@@ -81,13 +81,13 @@ class LearnerJob:
         self.log = RunLog(run_dir, recipe.logger.tensorboard_enabled, recipe.logger, recipe.model_dump(mode="json"))
         self.checkpoints = Checkpoints(recipe.checkpointing, Path(run_dir))
         self.saved_step = 0  # the step of the last checkpoint this job wrote
-        self.validator = Validator(recipe, validation_prompts(recipe, model_path), pool, self.book.failures) \
+        self.validator = Validator(recipe, validation_prompts(recipe, model_path), self.pool, self.book.failures) \
             if g.val_period or g.val_at_start else None  # services.job.validation: outside the training stream
         if resume:
             self._resume()  # a resumed run probes with its saved sequences; a fresh one builds them now
         if not self.parity.sequences or self.images.in_use:  # images are not in checkpoints: rebuilt
             self._parity_set(recipe.logger.parity_probe_sequences, recipe.policy.max_total_sequence_length)
-        pool.attach.remote(self.id, self.channel).result(timeout_s=60)
+        self.pool.attach(self.id, self.channel)
 
     # ------------------------------------------------------------ the loop's verbs
     def start(self, prefetch: int) -> None:
@@ -159,8 +159,7 @@ class LearnerJob:
     def drop_undelivered(self) -> int:
         """Drop and replace the open prompts whose groups the pool's engines could not put into this job's
         channel; returns how many were dropped."""
-        records: list[UndeliveredPrompt] = self.pool.take_undelivered.remote(self.id).result(timeout_s=60)
-        return self.book.drop_undelivered(records)
+        return self.book.drop_undelivered(self.pool.take_undelivered(self.id))
 
     def train(self, buffered: list[BufferedGroup]) -> dict:
         """One optimizer step on the learner ranks; a step the learner skips drops its prompts
@@ -185,11 +184,11 @@ class LearnerJob:
 
     def sleep_engines(self) -> None:
         """Free the engines' GPU memory for training (colocated sync runs)."""
-        self.pool.sleep_engines.remote().result(timeout_s=ENGINE_SLEEP_TIMEOUT_S)
+        self.pool.sleep_engines()
 
     def wake_engines(self) -> None:
         """Give the engines their GPU memory back, before the push."""
-        self.pool.wake_engines.remote().result(timeout_s=ENGINE_SLEEP_TIMEOUT_S)
+        self.pool.wake_engines()
 
     def push_weights(self, reset: bool = False) -> RefitResult | None:
         """Push the learner's version; without ``reset``, nothing (None) if it was pushed already (skipped step)."""
@@ -249,7 +248,7 @@ class LearnerJob:
             row["skip_reason"] = self.skips.last_reason
         self.log.write(row)
         report = {**row, "trajectory_ages": metrics.get("trajectory_ages", []), "rejected": self.book.take_rejected()}
-        self.pool.report_step.remote(report)
+        self.pool.report_step(report)
         self.skips.check(step)  # too many skipped steps in a row stop the job, once their rows are written
         if self.checkpoints.due(step, min(self.last_step, self.book.last_step)):
             self.save_checkpoint(row)
@@ -262,7 +261,7 @@ class LearnerJob:
             if self.validator is not None else {}
         if row:
             self.log.write(row)
-            self.pool.report_step.remote(row)
+            self.pool.report_step(row)
         return row
 
     def checked_parity(self) -> dict:
@@ -278,7 +277,7 @@ class LearnerJob:
 
     def close(self) -> None:
         try:
-            self.pool.detach.remote(self.id).result(timeout_s=30)
+            self.pool.detach(self.id)
         except Exception:  # noqa: BLE001 - the pool may be gone already
             pass
         self.channel.close()
@@ -306,4 +305,4 @@ class LearnerJob:
         log.info("resumed from %s at step %d, version %d", path, self.step, self.version)
 
     def _submit(self, requests: list[PromptRequest]) -> None:
-        self.pool.submit.remote([encode(r) for r in requests], self.group_size).result(timeout_s=120)
+        self.pool.submit([encode(r) for r in requests], self.group_size)

@@ -20,7 +20,7 @@ import numpy as np
 
 from protocol import PromptRequest, encode
 from protocol.images import PromptImage
-from protocol.pool_replies import PoolStatus
+from protocol.pool_client import PoolClient
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -114,10 +114,10 @@ class EngineInstall:
     its stats are unknown."""
 
 
-def engine_installs(pool: DeploymentHandle) -> dict[str, EngineInstall]:
+def engine_installs(pool: PoolClient | DeploymentHandle) -> dict[str, EngineInstall]:
     """Each engine of ``pool`` -> its :class:`EngineInstall`, from the pool's status and engine stats."""
-    status: PoolStatus = pool.status.remote().result(timeout_s=60)
-    stats = pool.engine_stats.remote().result(timeout_s=120)
+    client = PoolClient.of(pool)
+    status, stats = client.status(), client.engine_stats()
     out = {}
     for eid, state in status.engines.items():
         s = stats.get(eid, {"error": "no stats"})
@@ -159,10 +159,10 @@ class ProbeBook:
 class ParityProbe:
     """The job's probe: its sequences, the accepted history and the :class:`ProbeBook`."""
 
-    def __init__(self, cfg: LoggerConfig, pool: DeploymentHandle, learner: LearnerGroup,
+    def __init__(self, cfg: LoggerConfig, pool: PoolClient | DeploymentHandle, learner: LearnerGroup,
                  sequences: Sequences | None = None):
-        """``cfg``: the recipe's ``logger`` section; ``pool``: the pool's DeploymentHandle."""
-        self.cfg, self.pool, self.learner = cfg, pool, learner
+        """``cfg``: the recipe's ``logger`` section; ``pool``: the pool (its DeploymentHandle, or a client on it)."""
+        self.cfg, self.pool, self.learner = cfg, PoolClient.of(pool), learner
         self.sequences: Sequences = list(sequences or [])
         self.images: list[list[PromptImage]] = []
         """Per sequence, its prompt's images (vision-language data; empty for text: no images anywhere)."""
@@ -189,8 +189,7 @@ class ParityProbe:
         targets, skipped = self.book.due(engines)
         pictures = [encode(PromptRequest(f"parity-{i}", np.asarray(p), images=im)) for i, (p, im) in
                     enumerate(zip(prompts, self.images, strict=True))] if self.images else None
-        extra = (pictures,) if pictures else ()
-        calls = {e: self.pool.logprobs_of.remote(prompts, responses, e, *extra) for e in targets}
+        calls = {e: self.pool.start_logprobs_of(prompts, responses, e, pictures) for e in targets}
         mine = self.learner.logprobs(prompts, responses,  # while the engines score their side
                                      self.image_inputs if pictures else None)
         per_engine: dict[str, dict] = {}

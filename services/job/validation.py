@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import PromptRequest, TrajectoryGroup, decode, encode
-from protocol.pool_replies import EvaluationReply
+from protocol.pool_client import EVALUATE_GRACE_S, PoolClient
 from services.job.failures import FailureLog
 
 if TYPE_CHECKING:
@@ -86,12 +86,13 @@ def validation_metrics(rewards: list[list[float | None]], k: int, seconds: float
 class Validator:
     """Runs validations of a job's prompts on its pool (``pool.evaluate``)."""
 
-    def __init__(self, recipe: Recipe, prompts: list[PromptRequest], pool: Any, failures: FailureLog | None = None):
+    def __init__(self, recipe: Recipe, prompts: list[PromptRequest], pool: PoolClient | Any,
+                 failures: FailureLog | None = None):
         """``failures`` records the reasons of failed answers (``RUN_DIR/failures.jsonl``; never in the training
         counts)."""
         g, gen = recipe.grpo, recipe.policy.generation
         self.failures = failures
-        self.pool, self.pool_name, self.prompts = pool, recipe.rollout_pool.name, prompts
+        self.pool, self.pool_name, self.prompts = PoolClient.of(pool), recipe.rollout_pool.name, prompts
         self.batch_size, self.k, self.temperature = g.val_batch_size, g.val_num_generations, g.val_temperature
         self.period, self.at_start = g.val_period, g.val_at_start
         self.timeout_s = gen.group_deadline_s
@@ -132,11 +133,10 @@ class Validator:
 
     def _evaluate(self, batch: list[PromptRequest], step: int) -> list[TrajectoryGroup]:
         try:
-            reply: EvaluationReply = self.pool.evaluate.remote([encode(p) for p in batch], self.k, self.temperature,
-                                                               self.timeout_s).result(timeout_s=self.timeout_s + 30)
+            reply = self.pool.evaluate([encode(p) for p in batch], self.k, self.temperature, self.timeout_s)
         except Exception as exc:  # re-raised with the pool's name and the bound
             raise RuntimeError(f"validation at step {step}: pool {self.pool_name!r} did not answer "
-                               f"{len(batch)} prompts within {self.timeout_s + 30:.0f} s: "
+                               f"{len(batch)} prompts within {self.timeout_s + EVALUATE_GRACE_S:.0f} s: "
                                f"{type(exc).__name__}: {exc}"[:800]) from exc
         for i, failure in enumerate(reply.failed):
             if i < 3:
