@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from protocol.pool_client import Pending
 from services.refit.learner_port import LearnerPort
 from services.refit.port import PoolPort, engine_failures, fold_installs
 from services.refit.result import GroupInstall, RefitResult
@@ -40,22 +41,48 @@ class GroupPlan:
     world_size: int
 
 
+class GroupCalls:
+    """The pool's calls a collective push makes, typed (``RolloutPool`` answers them)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        """The pool's DeploymentHandle."""
+
+    def group_current(self) -> bool:
+        """Whether the pool's group still holds exactly the engine incarnations that are up."""
+        return self.handle.weight_group_current.remote().result(timeout_s=60)
+
+    def plan(self, timeout_s: float) -> GroupPlan:
+        return self.handle.weight_group_plan.remote(timeout_s).result(timeout_s=timeout_s + 60)
+
+    def join(self, host: str, port: int, plan: GroupPlan, timeout_s: float) -> GroupPlan:
+        return self.handle.join_weight_group.remote(host, port, plan, timeout_s).result(timeout_s=timeout_s + 90)
+
+    def start_install(self, reset: bool, timeout_s: float) -> Pending[RefitResult]:
+        """Every engine of the group waits for the next push (answered once it is installed)."""
+        return Pending(self.handle.install_group_push.remote(reset, timeout_s))
+
+    def engines_wanting_weights(self) -> list[str]:
+        return self.handle.engines_wanting_weights.remote().result(timeout_s=60)
+
+
 class CollectiveRefit:
     """The learner's side: buckets broadcast from rank 0's device to every engine worker over one weight group."""
 
     def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
-        self.pool, self.learner = pool, learner
+        """``pool``: the pool's DeploymentHandle."""
+        self.pool, self.learner = GroupCalls(pool), learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         self.timeout_s = recipe.policy.refit_timeout_s
         self.groups_formed = 0
         self._group_ok = False
 
     def push(self, reset: bool) -> RefitResult:
-        if not self._group_ok or not self.pool.weight_group_current.remote().result(timeout_s=60):
+        if not self._group_ok or not self.pool.group_current():
             self._form_group()
             reset = True  # members that joined may hold any version
         self.learner.stage_weights()
-        installing = self.pool.install_group_push.remote(reset, self.timeout_s)
+        installing = self.pool.start_install(reset, self.timeout_s)
         try:
             sent = self.learner.send_staged(self.bucket_bytes)
             out = installing.result(timeout_s=self.timeout_s + 60)
@@ -66,10 +93,10 @@ class CollectiveRefit:
         return dataclasses.replace(out, send_seconds=sent.seconds, groups_formed=self.groups_formed)
 
     def _form_group(self) -> None:
-        plan = self.pool.weight_group_plan.remote(self.timeout_s).result(timeout_s=self.timeout_s + 60)
+        plan = self.pool.plan(self.timeout_s)
         host, port = self.learner.weight_group_address()
         joining = self.learner.join_weight_group(host, port, plan.world_size, self.timeout_s)
-        self.pool.join_weight_group.remote(host, port, plan, self.timeout_s).result(timeout_s=self.timeout_s + 90)
+        self.pool.join(host, port, plan, self.timeout_s)
         joining.wait()
         self._group_ok = True
         self.groups_formed += 1
@@ -78,7 +105,7 @@ class CollectiveRefit:
 
     def engines_waiting(self) -> bool:
         """True if an engine is up without the current weights (restarted): it waits for a push."""
-        waiting = self.pool.engines_wanting_weights.remote().result(timeout_s=60)
+        waiting = self.pool.engines_wanting_weights()
         if waiting:
             log.info("engines %s are up without the current weights", waiting)
         return bool(waiting)

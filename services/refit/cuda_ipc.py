@@ -66,11 +66,30 @@ class IpcPlan:
         return ""
 
 
+class IpcCalls:
+    """The pool's calls a CUDA IPC push makes, typed (``RolloutPool`` answers them)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        """The pool's DeploymentHandle."""
+
+    def plan(self, gpu: str) -> IpcPlan:
+        return self.handle.ipc_plan.remote(gpu).result(timeout_s=CALL_TIMEOUT_S + 30)
+
+    def install(self, manifest_bytes: bytes, shares: list, gpu: str, reset: bool, timeout_s: float) -> RefitResult:
+        return self.handle.install_ipc_push.remote(manifest_bytes, shares, gpu, reset, timeout_s).result(
+            timeout_s=timeout_s + 60)
+
+    def engines_wanting_weights(self) -> list[str]:
+        return self.handle.engines_wanting_weights.remote().result(timeout_s=60)
+
+
 class CudaIpcRefit:
     """The learner's side: rank 0 shares its GPU buckets with the engine on its GPU, else the object store."""
 
     def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
-        self.pool, self.learner = pool, learner
+        """``pool``: the pool's DeploymentHandle."""
+        self.pool, self.learner = IpcCalls(pool), learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         self.timeout_s = recipe.policy.refit_timeout_s
         self.fallback = ObjectStoreRefit(recipe, pool, learner)
@@ -82,7 +101,7 @@ class CudaIpcRefit:
     def push(self, reset: bool) -> RefitResult:
         if self._gpu is None:
             self._gpu = self.learner.gpu_uuid()
-        plan: IpcPlan = self.pool.ipc_plan.remote(self._gpu).result(timeout_s=CALL_TIMEOUT_S + 30)
+        plan = self.pool.plan(self._gpu)
         if why := plan.refusal():
             if why != self._fallback_reason:
                 log.warning("refit: cuda_ipc cannot reach every engine (%s); pushing through the object store", why)
@@ -93,9 +112,7 @@ class CudaIpcRefit:
         exported = self.learner.export_ipc(self.bucket_bytes)
         export_seconds = time.perf_counter() - started
         try:
-            out: RefitResult = self.pool.install_ipc_push.remote(exported.manifest_bytes, exported.shares, self._gpu,
-                                                                 reset, self.timeout_s).result(
-                                                                     timeout_s=self.timeout_s + 60)
+            out = self.pool.install(exported.manifest_bytes, exported.shares, self._gpu, reset, self.timeout_s)
         finally:
             self.learner.release_ipc()  # every engine has answered, or given up: nothing maps them now
         self.last_transport, self._fallback_reason = "cuda_ipc", ""
@@ -106,7 +123,7 @@ class CudaIpcRefit:
         pool keeps no copy): it waits for a push. After an object-store push the pool reinstalls it itself."""
         if self.last_transport != "cuda_ipc":
             return False
-        waiting = self.pool.engines_wanting_weights.remote().result(timeout_s=60)
+        waiting = self.pool.engines_wanting_weights()
         if waiting:
             log.info("engines %s are up without the current weights", waiting)
         return bool(waiting)

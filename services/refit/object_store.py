@@ -28,19 +28,30 @@ STATS_TIMEOUT_S = 10.0
 """Longest an engine may take to report how its install went (the push stands either way)."""
 
 
+class ObjectStoreCalls:
+    """The pool's call an object-store push makes, typed (``RolloutPool.push`` answers it)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        """The pool's DeploymentHandle."""
+
+    def push(self, manifest_bytes: bytes, bucket_refs: list, reset: bool, timeout_s: float) -> RefitResult:
+        return self.handle.push.remote(manifest_bytes, bucket_refs, reset).result(timeout_s=timeout_s)
+
+
 class ObjectStoreRefit:
     """The learner's side: buckets through the Ray object store (the pool keeps them for engines that restart)."""
 
     def __init__(self, recipe: Recipe, pool: Any, learner: LearnerPort):
-        self.pool, self.learner = pool, learner
+        """``pool``: the pool's DeploymentHandle."""
+        self.pool, self.learner = ObjectStoreCalls(pool), learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
         # the pool waits up to refit_timeout_s for an engine, again for the buckets, again for the engines
         self.timeout_s = 3 * recipe.policy.refit_timeout_s + 60
 
     def push(self, reset: bool) -> RefitResult:
         exported = self.learner.export_weights(self.bucket_bytes)
-        return self.pool.push.remote(exported.manifest_bytes, exported.bucket_refs, reset).result(
-            timeout_s=self.timeout_s)
+        return self.pool.push(exported.manifest_bytes, exported.bucket_refs, reset, self.timeout_s)
 
     def engines_waiting(self) -> bool:
         """The pool reinstalls its latest push on restarted engines itself: none ever wait for the learner."""
