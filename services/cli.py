@@ -144,16 +144,12 @@ def _cmd_pool_scale(args: argparse.Namespace) -> int:
     from services import pool
     from services.cluster import head as cluster
     from services.cluster import ray_runtime
-    from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, ScaleError, ScaleRequestError
-    from services.pool.startup import BOOT_TIMEOUT_S
+    from services.pool.fleet import ScaleError, ScaleRequestError
     from services.refit.result import remote_cause
 
     ray_runtime.connect(_require_cluster(cluster))
-    handle = pool.connect(args.name)
-    drain_s = MAX_DRAIN_TIMEOUT_S if args.drain_timeout_s is None else args.drain_timeout_s
     try:
-        result = handle.scale.remote(args.engines, args.drain_timeout_s).result(
-            timeout_s=BOOT_TIMEOUT_S + drain_s + 120)
+        result = pool.scale(pool.connect(args.name), args.engines, args.drain_timeout_s)
     except (ScaleRequestError, ScaleError) as err:
         cause = remote_cause(err)
         if isinstance(cause, ScaleError) and cause.outcome == "failed":

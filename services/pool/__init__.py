@@ -24,9 +24,10 @@ from services.cluster.head import free_port
 from services.pool.deployment import RolloutPool
 
 if TYPE_CHECKING:
+    from services.pool.fleet import ScaleResult
     from services.recipe.config import Recipe
 
-__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "pool_url", "shutdown"]
+__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "pool_url", "scale", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,17 @@ def connect(name: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - Serve raises several types here
         raise RuntimeError(f"no rollout pool named {name!r} on this Ray cluster ({type(exc).__name__}: {exc}); "
                            f"deploy one with `inflight pool deploy`") from None
+
+
+def scale(handle: Any, engines: int, drain_timeout_s: float | None = None) -> ScaleResult:
+    """``RolloutPool.scale`` through the pool's ``handle``, typed, bounded by the engines' boot and the drain
+    (``drain_timeout_s`` None: the longest drain); a refused or failed scale raises the pool's
+    ``ScaleRequestError`` / ``ScaleError`` (inside Ray's error: ``services.refit.result.remote_cause``)."""
+    from services.pool.fleet import MAX_DRAIN_TIMEOUT_S
+    from services.pool.startup import BOOT_TIMEOUT_S
+
+    drain_s = MAX_DRAIN_TIMEOUT_S if drain_timeout_s is None else drain_timeout_s
+    return handle.scale.remote(engines, drain_timeout_s).result(timeout_s=BOOT_TIMEOUT_S + drain_s + 120)
 
 
 def http_port() -> int:
