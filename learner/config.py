@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from learner.sampling_dist import SamplingDist
 from protocol.config_base import ConfigModel
 
 
@@ -246,3 +247,7 @@ class TrainStepConfig(ConfigModel):
     """``grpo.reward_scaling``."""
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     """``grpo.reward_shaping``."""
+    sampling: SamplingDist = Field(default_factory=SamplingDist)
+    """``policy.generation.temperature``, ``top_k``, ``top_p``: the distribution the engine sampled from, under
+    which π_prev, π_θ and π_ref of the training step are scored (as NeMo-RL's learner does); the parity probe
+    compares the plain softmax."""

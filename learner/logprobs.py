@@ -29,6 +29,7 @@ from learner.attention import packed_row
 from learner.config import MegatronConfig
 from learner.mrope_positions import ImageMicroBatch
 from learner.packing import MicroBatch
+from learner.sampling_dist import SamplingDist, sampled_logits
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -77,9 +78,11 @@ def forward_hidden(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 
 
 def head_scores(model: torch.nn.Module, hidden: torch.Tensor, mb: MicroBatch, chunk: int | None,
-                entropy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                entropy: bool, sampling: SamplingDist | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """From the final hidden states ``[T, 1, h]`` of ``mb``: the ``[T]`` log-probs of :func:`token_scores` and,
-    with ``entropy``, the entropy of each chunk (the output layer runs here, on the last pipeline stage)."""
+    with ``entropy``, the entropy of each chunk (the output layer runs here, on the last pipeline stage); under
+    ``sampling`` (the engine's temperature / top-k / top-p, :mod:`learner.sampling_dist`) instead of the plain
+    softmax when it is given and not neutral."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -91,6 +94,9 @@ def head_scores(model: torch.nn.Module, hidden: torch.Tensor, mb: MicroBatch, ch
 
     def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, _ = gpt.output_layer(h, weight=weight)  # [c, 1, V_local]
+        if sampling is not None and not sampling.neutral:
+            logits = sampled_logits(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), sampling,
+                                    cast(dist.ProcessGroup, tp_group)).reshape(logits.shape)
         # first: the cross entropy below works in place on fp32 logits
         ent = vocab_parallel_entropy(logits.detach().reshape(-1, logits.shape[-1]), tp_group) if entropy else None
         lp = -vocab_parallel_cross_entropy(logits, t).reshape(-1).float()
@@ -156,7 +162,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         z = z - m[:, None]
         e = torch.exp(z)
-        stats = torch.stack([e.sum(-1), (e * z).sum(-1)])
+        stats = torch.stack([e.sum(-1), torch.where(e > 0, e * z, 0.0).sum(-1)])  # 0 · -inf: filtered tokens
         del e, z
         if tp:
             dist.all_reduce(stats, group=group)

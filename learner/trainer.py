@@ -263,7 +263,7 @@ class Learner:
         local_loss = [0.0]
 
         def head(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:  # on the last pipeline stage
-            lp, ents = head_scores(self.model, hidden, mb, self.logprob_chunk, entropy=True)
+            lp, ents = head_scores(self.model, hidden, mb, self.logprob_chunk, True, self.step_cfg.sampling)
             if not mb.segments:  # all padding (EP > 1): the backward runs the MoE collectives, the loss is 0
                 return lp[:0].sum()
             at = torch.cat(trained_positions(mb, samples)).to(lp.device)  # sampled tokens only (learner.batch)
@@ -306,7 +306,7 @@ class Learner:
         out: dict[int, torch.Tensor] = {}
 
         def head(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
-            lp = head_scores(model, hidden, mb, self.logprob_chunk, entropy=False)[0]
+            lp = head_scores(model, hidden, mb, self.logprob_chunk, False, self.step_cfg.sampling)[0]
             for seg, at in zip(mb.segments, trained_positions(mb, samples), strict=True):
                 out[seg.index] = lp[at.to(lp.device)]
             return lp.sum()

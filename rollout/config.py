@@ -134,6 +134,12 @@ class GenerationConfig(ConfigModel):
     vLLM."""
 
     @property
+    def tempered(self) -> bool:
+        """Whether ``temperature``, ``top_k`` or ``top_p`` make the sampled distribution differ from the model's
+        softmax (then the engine reports, and the learner scores, log-probs under the sampled one)."""
+        return self.temperature != 1.0 or self.top_k is not None or self.top_p != 1.0
+
+    @property
     def group_deadline_s(self) -> float:
         """Longest the pool may take to answer a group: every sample may need all its attempts, plus a minute."""
         return self.request_timeout_s * (self.max_retries + 1) + 60.0

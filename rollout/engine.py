@@ -107,7 +107,7 @@ class RolloutEngine:
         self.labels.detect(self.engine_id)
         options = build_engine_options(self.generation.vllm_cfg, self.model_path, self.max_model_len,
                                        colocated=self.generation.colocated.enabled,
-                                       kwargs=self.generation.vllm_kwargs)
+                                       kwargs=self.generation.vllm_kwargs, tempered=self.generation.tempered)
         self._options = options
         for line in options.describe():
             logger.info("rollout engine %s: %s", self.engine_id, line)

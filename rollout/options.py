@@ -159,12 +159,13 @@ IMAGES_PER_PROMPT = 8
 
 def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
                          caps: VllmCapabilities | None = None, colocated: bool = False,
-                         kwargs: VllmKwargs | None = None) -> EngineOptions:
+                         kwargs: VllmKwargs | None = None, tempered: bool = False) -> EngineOptions:
     """Map ``cfg`` onto engine arguments for ``caps`` (default: the installed vLLM). ``max_model_len`` is the
     context length unless ``cfg.max_model_len`` sets one (the services pass ``policy.max_total_sequence_length``).
     ``colocated`` engines sleep while the learner trains, which needs vLLM's sleep mode on GPU. ``kwargs``
     (``policy.generation.vllm_kwargs``) are merged last (:mod:`rollout.vllm_kwargs`); a refused one raises
-    :class:`rollout.vllm_kwargs.VllmKwargError`."""
+    :class:`rollout.vllm_kwargs.VllmKwargError`. ``tempered`` (:attr:`rollout.config.GenerationConfig.tempered`):
+    the engine reports log-probs under the distribution it samples from, which the learner then scores under."""
     caps = caps or probe_vllm()
     on_cpu = caps.platform == "cpu"
     max_model_len = cfg.max_model_len or max_model_len
@@ -255,6 +256,10 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             del applied["enable_prefix_caching"]
             ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM's Mamba "
                                          "prefix caching needs chunked prefill, which is off on CPU"))
+    if tempered:
+        args["logprobs_mode"] = "processed_logprobs"
+        platform_args.append("logprobs_mode='processed_logprobs' (temperature, top_k or top_p: the sampled tokens' "
+                             "log-probs under the distribution they were sampled from, as the learner scores them)")
     if image_token_id(model_path) is not None:  # a vision-language model
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "

@@ -35,7 +35,8 @@ SET_BY_INFLIGHT: dict[str, str] = {
     "enable_chunked_prefill": "nothing: Inflight sets it per platform (off on CPU: seeded sampling needs whole "
                               "prefills)",
     "skip_tokenizer_init": "nothing: Inflight's engines keep their tokenizer (stop strings, bad words)",
-    "logprobs_mode": "nothing: the learner compares the engine's raw log-probs",
+    "logprobs_mode": "policy.generation.temperature / top_k / top_p (processed log-probs when they change the "
+                     "sampled distribution, raw otherwise: what the learner scores under)",
     "kv_cache_dtype": "nothing: a quantised KV cache changes the log-probs",
 }
 """Engine arguments Inflight sets itself: a ``vllm_kwargs`` entry for one is an error naming what to set instead."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
+from learner.sampling_dist import SamplingDist
 from protocol import TrajectoryGroup, decode, encode
 from services.refit.learner_port import ExportedWeights, IpcExport, SentPush
 
@@ -49,7 +50,8 @@ class LearnerSpec:
     seed: int
     step_config: TrainStepConfig
     """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``,
-    ``grpo.reward_scaling``, ``grpo.reward_shaping``, ``grpo.seq_logprob_error_threshold``."""
+    ``grpo.reward_scaling``, ``grpo.reward_shaping``, ``grpo.seq_logprob_error_threshold``,
+    ``policy.generation``'s temperature / top_k / top_p."""
     freeze_vision_tower: bool = True
     """``policy.freeze_vision_tower`` (vision-language models)."""
 
@@ -60,7 +62,8 @@ class LearnerSpec:
                                use_leave_one_out_baseline=g.use_leave_one_out_baseline,
                                overlong_filtering=g.overlong_filtering, reward_scaling=g.reward_scaling,
                                reward_shaping=g.reward_shaping,
-                               seq_logprob_error_threshold=g.seq_logprob_error_threshold)
+                               seq_logprob_error_threshold=g.seq_logprob_error_threshold,
+                               sampling=SamplingDist(p.generation.temperature, p.generation.top_k, p.generation.top_p))
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
                    g.normalize_rewards, g.seed, step, p.freeze_vision_tower)
 

@@ -23,7 +23,8 @@ def check_vllm_kwargs(recipe: Recipe, checks: RecipeChecks) -> None:
         return
     try:
         options = build_engine_options(g.vllm_cfg, recipe.policy.model_name, recipe.policy.max_total_sequence_length,
-                                       probe_vllm(), colocated=g.colocated.enabled, kwargs=g.vllm_kwargs)
+                                       probe_vllm(), colocated=g.colocated.enabled, kwargs=g.vllm_kwargs,
+                                       tempered=g.tempered)
         engine_args_object(options.engine_args)
     except VllmKwargError as err:
         checks.add(f"{SECTION}.{err.key}", str(err.value), err.expected)

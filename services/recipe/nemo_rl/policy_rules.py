@@ -243,15 +243,3 @@ def same_as(other: str, why: str):
         return []
     return fn
 
-
-def untempered(target: str, neutral: Any):
-    """NeMo-RL's learner scores tokens under the sampling transform (logits / temperature, top-k/top-p filtering:
-    ``nemo_rl/models/megatron/train.py``); Inflight's learner under the plain softmax. The two agree only at the
-    neutral value, so a NeMo-RL recipe must use it (it is kept as ``target``)."""
-    def fn(value: Any, src: Source) -> list:
-        if value != neutral:
-            raise TranslationError("", f"{value!r} is not supported: NeMo-RL trains on the temperature-scaled, "
-                                       f"top-k/top-p-filtered distribution, Inflight's learner on the plain one; they "
-                                       f"agree only at {neutral!r}")
-        return [(target, value)]
-    return fn

@@ -137,9 +137,7 @@ POLICY_OPTIMIZER: dict[str, Rule | None] = {
 }
 
 GENERATION: dict[str, Rule | None] = {
-    **{f"{G}.{k}": When(d.nemo_rl, Derive(d.untempered(f"{G}.{k}", n), "kept at its neutral value"), None,
-                        "checked in a NeMo-RL recipe")
-       for k, n in (("temperature", 1.0), ("top_p", 1.0), ("top_k", None))},
+    **each(None, f"{G}.temperature", f"{G}.top_p", f"{G}.top_k"),  # the learner scores under them, as NeMo-RL's
     f"{G}.val_temperature": Rename("grpo.val_temperature"),
     f"{G}.val_top_p": Derive(d.same_as(f"{G}.top_p", "Inflight validates with the training top_p"), "= top_p"),
     f"{G}.val_top_k": Derive(d.same_as(f"{G}.top_k", "Inflight validates with the training top_k"), "= top_k"),
@@ -161,8 +159,8 @@ GENERATION: dict[str, Rule | None] = {
     f"{V}.enable_expert_parallel": Derive(d.engine_expert_parallel_switch, "older NeMo-RL recipes' switch: false "
                                                                            "is an engine without expert parallelism"),
     f"{V}.kv_cache_dtype": off("auto", "a quantised KV cache changes the log-probs"),
-    f"{V}.logprobs_mode": off(("processed_logprobs", "raw_logprobs"),
-                              "the same log-probs at temperature 1, top_p 1, top_k null (checked)"),
+    f"{V}.logprobs_mode": Ignore("Inflight sets it from temperature / top_k / top_p: processed log-probs when they "
+                                 "change the sampled distribution, which the learner then scores under"),
     **each(Ignore(LOGGING), f"{V}.use_tqdm", f"{V}.enable_vllm_metrics_logger", f"{V}.vllm_metrics_logger_interval"),
     f"{V}.use_deep_gemm": Ignore(KERNEL),
     **each(Ignore("FP8 generation only, which Inflight does not run"), f"{V}.num_first_layers_in_bf16",

@@ -119,3 +119,15 @@ def test_hybrid_models_get_a_float32_ssm_cache_and_no_prefix_caching_on_cpu(tmp_
     for other in (str(tmp_path / "qwen2"), "/not/a/model"):
         plain = build_engine_options(VllmConfig(), other, 512, caps["cpu"])
         assert plain.engine_args["enable_prefix_caching"] is True and "mamba_ssm_cache_dtype" not in plain.engine_args
+
+
+def test_tempered_sampling_asks_for_the_log_probs_of_the_sampled_distribution():
+    from rollout.config import GenerationConfig
+
+    caps = dataclasses.replace(CPU, engine_arg_names=ARGS | {"logprobs_mode"})
+    assert "logprobs_mode" not in build_engine_options(GPU_RECIPE, "/m", 512, caps).engine_args
+    for tempered in (GenerationConfig(temperature=0.7), GenerationConfig(top_k=20), GenerationConfig(top_p=0.9)):
+        assert tempered.tempered and not GenerationConfig().tempered
+        opts = build_engine_options(GPU_RECIPE, "/m", 512, caps, tempered=tempered.tempered)
+        assert opts.engine_args["logprobs_mode"] == "processed_logprobs"
+        assert any("processed_logprobs" in line for line in opts.describe())

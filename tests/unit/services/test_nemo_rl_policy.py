@@ -81,8 +81,6 @@ def test_megatron_clip_grad_follows_its_own_key_not_max_grad_norm(dense):
     (MEGATRON, ["policy.megatron_cfg.moe_router_load_balancing_type=aux_loss"],
      "policy.megatron_cfg.moe_router_load_balancing_type", "no load-balancing loss"),
     (MEGATRON, ["policy.precision=float16"], "policy.precision", "expected one of"),
-    (MEGATRON, ["policy.generation.temperature=0.7"], "policy.generation.temperature", "temperature-scaled"),
-    (MEGATRON, ["policy.generation.top_k=20"], "policy.generation.top_k", "agree only at None"),
     (MEGATRON, ["policy.generation.val_top_p=0.9"], "policy.generation.val_top_p", "differs from"),
     (MEGATRON, ["policy.generation.stop_token_ids=[7]"], "policy.generation.stop_token_ids", "would end answers"),
 ])
@@ -90,6 +88,19 @@ def test_settings_that_change_training_are_errors_naming_the_key(dense, recipe, 
     with pytest.raises(RecipeError) as err:
         load(recipe, dense, *overrides)
     assert err.value.path == key and words in err.value.reason
+
+
+def test_sampling_settings_reach_the_engine_and_the_learners_step(dense):
+    from services.job.learner_actor import LearnerSpec
+
+    recipe, report = load(MEGATRON, dense, "policy.generation.temperature=0.7", "policy.generation.top_k=20",
+                          "policy.generation.top_p=0.9", "policy.generation.val_top_k=20",
+                          "policy.generation.val_top_p=0.9", "policy.generation.vllm_cfg.logprobs_mode=raw_logprobs")
+    g = recipe.policy.generation
+    assert (g.temperature, g.top_k, g.top_p, g.tempered) == (0.7, 20, 0.9, True)
+    sampling = LearnerSpec.of(recipe, dense).step_config.sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.7, 20, 0.9)
+    assert "processed log-probs" in why(report, "policy.generation.vllm_cfg.logprobs_mode")
 
 
 def test_settings_that_change_nothing_on_this_model_are_ignored(dense):
