@@ -1,7 +1,8 @@
 """Learner ranks as gloo processes on this machine, for the tests that compare several ranks with one process.
 
 A worker is a module-level function ``worker(rank, port, *args)`` that calls :func:`become_rank` first;
-:func:`run_ranks` starts ``world`` of them on a free port and waits for them, bounded.
+:func:`run_ranks` starts ``world`` of them on a free port and waits for them, bounded. Inside a worker,
+:func:`check_checkpoint_round_trip` checks save, step, restore, step again on that rank.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+import torch
 import torch.multiprocessing as mp
 
 from services.cluster.head import free_port
@@ -32,3 +34,20 @@ def run_ranks(worker: Callable[..., None], *args, world: int = 2, timeout_s: flo
             for p in ctx.processes:
                 p.kill()
             raise TimeoutError(f"{what} did not finish within {timeout_s} s")
+
+
+TIMINGS = ("policy_training_s", "tokens_per_s")
+"""Step metrics that are wall-clock times, not results (left out of equality checks)."""
+
+
+def check_checkpoint_round_trip(learner, batch, ckpt_dir: str, who: str) -> None:
+    """Save ``learner``'s checkpoint in ``ckpt_dir``, step on ``batch``, restore, step again: this rank's
+    parameters and step metrics (times aside) must be bit-identical; ``who`` names the rank in failures."""
+    learner.save_checkpoint(ckpt_dir)
+    m_a = learner.train_step(batch)
+    params_a = {k: v.detach().clone() for k, v in learner.gpt.named_parameters()}
+    learner.load_checkpoint(ckpt_dir)
+    m_b = learner.train_step(batch)
+    for k, v in learner.gpt.named_parameters():
+        assert torch.equal(v, params_a[k]), f"{who}: {k} differs after restore"
+    assert {k: v for k, v in m_a.items() if k not in TIMINGS} == {k: v for k, v in m_b.items() if k not in TIMINGS}
