@@ -56,6 +56,9 @@ class Sample:
     """The images of its prompt (vision-language policies), or None."""
     is_weight_scale: float = 1.0
     """Factor of its tokens' importance weights: 0 for a sequence ``seq-mask-tis`` masked (learner.seq_filter)."""
+    routed_experts: np.ndarray | None = None
+    """The engine's experts per position of ``tokens`` (``[P, MoE layers, top_k]``, P <= len(tokens)), for routing
+    replay (:mod:`learner.router_replay`); None: the learner routes it itself."""
 
     @property
     def num_trained(self) -> int:
@@ -158,8 +161,10 @@ def collect(groups: list[TrajectoryGroup], max_total_sequence_length: int, norma
             if not mask.any():  # empty, or cut before its first sampled token: nothing to train
                 continue
             env_tokens += int(mask.size - np.count_nonzero(mask))
+            routed = t.routed_experts[:prompt.size + resp.size] if t.routed_experts is not None else None
             samples.append(Sample(np.concatenate([prompt, resp.astype(np.int64)]), int(prompt.size),
-                                  np.asarray(lp_gen, dtype=np.float32), mask, float(adv), base + i, pixels))
+                                  np.asarray(lp_gen, dtype=np.float32), mask, float(adv), base + i, pixels,
+                                  routed_experts=routed))
     return StepBatch(samples, rewards, zero_groups, failed, truncated, position, lengths, length_finished,
                      filtered, shaped_all, cfg.reward_scaling.enabled or cfg.reward_shaping.enabled, env_tokens)
 

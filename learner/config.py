@@ -88,8 +88,22 @@ class MegatronConfig(ConfigModel):
     defer_fp32_logits: bool = False
     """Never hold a whole row's logits in fp32 (NeMo-RL's key): with ``logprob_chunk_size`` unset, chunks of
     ``learner.logprobs.DEFAULT_CHUNK`` positions."""
+    moe_enable_routing_replay: bool = False
+    """Routing replay (R3, Megatron's name): the policy's MoE routers use the experts the engine routed each
+    token to (``Trajectory.routed_experts``; :mod:`learner.router_replay`) for π_prev and the training forward;
+    tokens without engine routing, and the reference policy, route themselves. Needs the engines to return them
+    (``policy.generation.vllm_cfg.enable_return_routed_experts``); not with pipeline stages and activation
+    checkpointing together. Off by default; docs/learner.md, "Routing replay"."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
+
+    @model_validator(mode="after")
+    def _replay_without_staged_recompute(self) -> MegatronConfig:
+        if self.moe_enable_routing_replay and self.activation_checkpointing and self.pipeline_model_parallel_size > 1:
+            raise ValueError("moe_enable_routing_replay with activation_checkpointing and "
+                             "pipeline_model_parallel_size > 1: the 1F1B schedule's backward recomputes a micro-batch "
+                             "after later forwards changed the replayed routing; turn one of them off")
+        return self
 
 
 class SequencePackingConfig(ConfigModel):

@@ -29,6 +29,7 @@ from learner.attention import packed_row
 from learner.config import MegatronConfig
 from learner.mrope_positions import ImageMicroBatch
 from learner.packing import MicroBatch
+from learner.router_replay import set_targets
 from learner.sampling_dist import SamplingDist, sampled_logits
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ def forward_hidden(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """``model``'s output on ``mb`` without the output layer: the final hidden states ``[T, 1, h]``, or with
     pipeline parallelism this stage's output (a non-first stage reads its input from ``set_input_tensor``)."""
     images = {"images": mb.images} if isinstance(mb, ImageMicroBatch) else {}
+    set_targets(model, mb.routing)  # routing replay (learner.router_replay); a no-op without it
     with _hidden_states(_language_model(model)):
         return model(mb.tokens, mb.position_ids, None, packed_seq_params=packed_row(mb.blocks, mb.tokens.device),
                      **images)

@@ -121,6 +121,7 @@ class ImageMicroBatch(MicroBatch):
     def to(self, device: torch.device) -> ImageMicroBatch:
         return ImageMicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
                                self.blocks, self.segments,
+                               self.routing.to(device) if self.routing is not None else None,
                                self.images.to(device) if self.images is not None else None)
 
 
@@ -144,7 +145,7 @@ def attach_images(mb: MicroBatch, prompt_lens: list[int], images: list[ImageInpu
     packed = (PackedImages(torch.from_numpy(np.concatenate(pixels)), torch.from_numpy(np.concatenate(grids)),
                            torch.from_numpy(mask)[None]) if pixels else None)
     return ImageMicroBatch(mb.tokens, torch.from_numpy(positions)[:, None], mb.targets, mb.blocks,
-                           mb.segments, packed)
+                           mb.segments, mb.routing, packed)
 
 
 def with_images(mbs: list[MicroBatch], prompt_lens: list[int], images: list[ImageInputs | None],

@@ -42,6 +42,9 @@ class MicroBatch:
     targets: torch.Tensor
     blocks: tuple[int, ...]
     segments: list[Segment]
+    routing: torch.Tensor | None = None
+    """The engine's experts per position ``[T, MoE layers, top_k]`` (-1: none) for routing replay
+    (:mod:`learner.router_replay`); None: the routers choose every token themselves."""
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +52,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
-                          self.blocks, self.segments)
+                          self.blocks, self.segments, self.routing.to(device) if self.routing is not None else None)
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:

@@ -24,12 +24,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner import checkpoint, hf_weights, seq_filter
+from learner import checkpoint, hf_weights, router_replay, seq_filter
 from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
 from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
 from learner.logprobs import head_scores, logprob_chunk
 from learner.loss import LossStats, TokenInputs, per_token_loss
+from learner.mismatch_stats import MismatchStats
 from learner.model import build_gpt_model, init_distributed, read_hf_architecture
 from learner.mrope_positions import ImageInputs, with_images
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
@@ -104,10 +105,7 @@ class Learner:
         self.bf16 = megatron.precision == "bfloat16"
         self.gpt, self.config = build_gpt_model(self.arch, megatron, freeze_vision_tower)
         self.hf_metas = load_hf_weights(self.gpt, self.arch, model_path)
-        if megatron.freeze_moe_router:
-            for name, param in self.gpt.named_parameters():
-                if ".mlp.router." in name:
-                    param.requires_grad_(False)  # out of the DDP buffers and the optimizer
+        router_replay.set_up_routers(self.gpt, megatron, model_path)  # frozen, replaying the engine's experts
         self.model = wrap_ddp(self._precision_wrap(self.gpt), self.config,
                               megatron.optimizer.use_distributed_optimizer)
         self.optim = build_optimizer(self.model, megatron.optimizer, self.bf16)
@@ -150,7 +148,8 @@ class Learner:
         ep = hf_weights.ParallelLayout.current().ep_size
         mine, pad_tokens = deal(micro_batches, dp_rank, dp_size, equal_shapes=ep > 1)
         mine = with_images(mine, [s.prompt_len for s in samples], [s.images for s in samples], self.arch.vision)
-        return Prepared(samples, [mb.to(self.device) for mb in mine], fill, len(micro_batches), pad_tokens)
+        mine = router_replay.attach(self.gpt, [mb.to(self.device) for mb in mine], [s.routed_experts for s in samples])
+        return Prepared(samples, mine, fill, len(micro_batches), pad_tokens)
 
     def _pack(self, sequences: list[np.ndarray]) -> tuple[list[MicroBatch], float]:
         return pack(sequences, self.packing.train_mb_tokens, self.packing.enabled)
@@ -188,21 +187,21 @@ class Learner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             prev_s = time.perf_counter() - t0
+        mm = MismatchStats.of(groups, self.policy_version, threshold, [p.samples for p in preps], prev)
         seq_stats = seq_filter.apply([p.samples for p in preps], prev, self.loss_cfg, threshold, filtering)
         n_global = torch.tensor([p.local_tokens for p in preps], dtype=torch.float64,
                                 device=self.device)  # NCCL: on the GPU
         dist.all_reduce(n_global, group=dp_group)
         n_mini = [float(v) for v in n_global.tolist()]
         n_total = sum(n_mini)
-
         stats = LossStats()
         shares = [n / n_total if len(preps) > 1 and n_total > 0 else 1.0 for n in n_mini]
-        outcomes = [self._optimizer_step(p, n, share, lp_prev, stats)
+        outcomes = [self._optimizer_step(p, n, share, lp_prev, stats, mm)
                     for p, n, share, lp_prev in zip(preps, n_mini, shares, prev, strict=True)]
         stats.all_reduce(pipeline_group(), self.device)  # the last stage's (the others have none)
         stats.all_reduce(dp_group, self.device)
         seq_stats.all_reduce(dp_group, self.device)
-
+        mm.reduce((pipeline_group(), dp_group), self.device)  # the per-sequence mismatch (learner.mismatch_stats)
         applied = [o for o in outcomes if o.applied]
         skipped = [o for o in outcomes if not o.applied]
         if applied:
@@ -215,14 +214,13 @@ class Learner:
             self.last_skip_reason = skipped[-1].reason
             log.warning("learner step %d skipped: %s", self.step, self.last_skip_reason)
         self.step += 1
-
         elapsed = time.perf_counter() - t_start
         total_tokens = float(sum(s.tokens.size for s in batch.samples))
         num_micro = sum(p.num_micro_batches for p in preps)
         fill = preps[0].fill if len(preps) == 1 else (sum(p.fill * p.num_micro_batches for p in preps) / num_micro
                                                      if num_micro else 0.0)
         valid = max(len(batch.rewards), 1)
-        metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {})}
+        metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {}), **mm.metrics()}
         metrics.update({
             "reward_mean": float(np.mean(batch.rewards)) if batch.rewards else 0.0,
             **{k: v for k, v in summary_stats(batch.rewards, "reward").items() if k != "reward_mean"},
@@ -252,7 +250,7 @@ class Learner:
         return metrics
 
     def _optimizer_step(self, prep: Prepared, n_global: float, loss_share: float,
-                        lp_prev: dict[int, torch.Tensor] | None, stats: LossStats) -> StepOutcome:
+                        lp_prev: dict[int, torch.Tensor] | None, stats: LossStats, mm: MismatchStats) -> StepOutcome:
         """Forward/backward of ``Σ loss_t / n_global`` over ``prep`` and one optimizer step if everything is
         finite. ``lp_prev`` None: π_prev is the training forward, detached (a single optimizer step per batch).
         ``loss_share`` (n_global / the batch's tokens) weights this step's loss in the ``loss`` metric."""
@@ -271,6 +269,7 @@ class Learner:
             # one optimizer step: every forward of the step runs on the weights the step started from, so
             # pi_prev is this forward, detached (a separate no-grad pass gives the same numbers)
             prev = lp_resp.detach() if lp_prev is None else torch.cat([lp_prev[seg.index] for seg in mb.segments])
+            mm.add_trained(mb, samples, prev)  # the per-sequence mismatch, unless measured before the filters
             x = self._token_inputs(mb, samples, prev, lp_ref)
             loss_t, parts = per_token_loss(lp_resp, x, self.loss_cfg)
             parts["entropy"] = torch.cat(ents)[at.to(ents[0].device)].to(lp_resp.dtype)

@@ -30,19 +30,21 @@ from protocol.messages import (
 
 M = TypeVar("M", TrajectoryGroup, PromptRequest, WeightManifest, WeightBucket, ControlMessage)
 
-SCHEMA_VERSION = 2
-"""The newest schema version (2: the trajectory's per-token ``loss_mask`` and ``turn_finish_reasons``)."""
-KIND_SCHEMAS: dict[str, tuple[int, ...]] = {"trajectory_group": (1, 2), "prompt": (1,), "weight_manifest": (1,),
+SCHEMA_VERSION = 3
+"""The newest schema version (2: the trajectory's per-token ``loss_mask`` and ``turn_finish_reasons``; 3: its
+optional ``routed_experts``, :mod:`protocol.routing`)."""
+KIND_SCHEMAS: dict[str, tuple[int, ...]] = {"trajectory_group": (1, 2, 3), "prompt": (1,), "weight_manifest": (1,),
                                             "weight_bucket": (1,), "control": (1,)}
 """The schema versions each kind is read at, oldest first; it is written at the last. A kind is written at the
 version that last changed its layout (only ``trajectory_group`` changed in 2), so that a pool of the previous
 version still reads this learner's prompts and weight pushes during a rolling upgrade, and a schema 1 group
-(from such a pool, or in a checkpoint) is read with every token sampled."""
+(from such a pool, or in a checkpoint) is read with every token sampled. A trajectory group is written at 3 only
+when it carries routing (``TrajectoryGroup.schema``), else at 2, so a schema 2 reader still reads it."""
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 MAGIC = b"INFL"
 ALIGN = 64
 EXT_NDARRAY = 1
-ARRAY_DTYPES = {"uint8", "int32", "int64", "float32", "float64"}
+ARRAY_DTYPES = {"uint8", "uint16", "int32", "int64", "float32", "float64"}
 MAX_ARRAY_DIMS = 8
 _PREFIX = struct.Struct("<4sI")
 _ZEROS = bytes(ALIGN)
@@ -99,7 +101,7 @@ def pack_frame(body: dict) -> bytes:
 def encode(msg: Message) -> bytes:
     """Encode a message (adds ``schema`` and ``kind``); array bytes are copied once."""
     body = msg.to_wire()
-    body["schema"] = KIND_SCHEMAS[msg.KIND][-1]
+    body["schema"] = msg.schema if isinstance(msg, TrajectoryGroup) else KIND_SCHEMAS[msg.KIND][-1]
     body["kind"] = msg.KIND
     return pack_frame(body)
 

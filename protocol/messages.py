@@ -21,6 +21,7 @@ from protocol.control import ControlMessage
 from protocol.errors import ProtocolError
 from protocol.images import PromptImage, image_ids_from_wire, images_from_wire
 from protocol.loss_mask import read_turn_fields
+from protocol.routing import group_schema, read_routed_experts
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Why a sample ended: end-of-sequence/stop string, token limit, aborted
@@ -80,6 +81,9 @@ class Trajectory:
     loss_mask: np.ndarray = field(default_factory=lambda: _ALL_SAMPLED)
     turn_finish_reasons: list[str] = field(default_factory=list)
     failure_kind: str = ""
+    routed_experts: np.ndarray | None = None
+    """The experts the engine routed each position (prompt, then response) to, ``[P, MoE layers, top_k]``, for
+    routing replay (:mod:`protocol.routing`); None: the learner routes itself. On the wire only when set."""
 
     def __post_init__(self):
         self.response_ids = _i32(self.response_ids)
@@ -115,12 +119,15 @@ class Trajectory:
             d["reward_components"] = {str(k): float(v) for k, v in self.reward_components.items()}
         if self.failure_kind:
             d["failure_kind"] = self.failure_kind
+        if self.routed_experts is not None:
+            d["routed_experts"] = self.routed_experts
         return d
 
     @classmethod
-    def from_wire(cls, d: dict, path: str, vocab_size: int, schema: int = 2) -> Trajectory:
+    def from_wire(cls, d: dict, path: str, vocab_size: int, schema: int = 2,
+                  prompt_len: int = MAX_TOKENS) -> Trajectory:
         """Check and build one trajectory; ``schema`` 1 (before the loss mask): every token sampled, one turn,
-        and the v2 keys must be absent."""
+        and the v2 keys must be absent; before 3 no ``routed_experts`` (at most ``prompt_len`` + n positions)."""
         d = F.as_dict(d, path)
         ids = F.as_array(F.req(d, "response_ids", path), f"{path}.response_ids", "int32")
         if ids.shape[0] > MAX_TOKENS:
@@ -151,7 +158,8 @@ class Trajectory:
         if kind and (kind not in FAILURE_KINDS or reason != "error"):
             raise ProtocolError(f"{path}.failure_kind", f"one of {FAILURE_KINDS}, for a failed sample only",
                                 f"{kind!r} (finish_reason {reason!r})")
-        return cls(ids, lps, vers, reward, reason, error, components, mask, turns, kind)
+        routed = read_routed_experts(d, path, schema, prompt_len + n)
+        return cls(ids, lps, vers, reward, reason, error, components, mask, turns, kind, routed)
 
 
 MAX_REWARD_COMPONENTS = 64
@@ -206,6 +214,11 @@ class TrajectoryGroup:
     def valid(self) -> list[Trajectory]:
         return [t for t in self.trajectories if t.ok]
 
+    @property
+    def schema(self) -> int:
+        """The schema it is written at: 3 only when it carries routing (:func:`protocol.routing.group_schema`)."""
+        return group_schema([t.routed_experts for t in self.trajectories])
+
     def to_wire(self) -> dict:
         return {"group_id": self.group_id, "prompt_id": self.prompt_id,
                 "prompt_ids": self.prompt_ids,
@@ -227,7 +240,7 @@ class TrajectoryGroup:
         raw = F.as_list(F.req(d, "trajectories", path), F._join(path, "trajectories"), MAX_GROUP_SIZE)
         if len(raw) != gsize:
             raise ProtocolError(F._join(path, "trajectories"), f"{gsize} trajectories (group_size)", len(raw))
-        trajs = [Trajectory.from_wire(t, f"{F._join(path, 'trajectories')}[{i}]", vocab, schema)
+        trajs = [Trajectory.from_wire(t, f"{F._join(path, 'trajectories')}[{i}]", vocab, schema, p_ids.shape[0])
                  for i, t in enumerate(raw)]
         step = F.as_int(F.req(d, "scheduled_step", path), F._join(path, "scheduled_step"), 0)
         engine_id = F.as_str(F.req(d, "engine_id", path), F._join(path, "engine_id"))

@@ -24,6 +24,7 @@ import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
 from protocol.images import PromptImage
+from rollout import routed_experts
 from rollout.config import GenerationConfig
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import BoundedEnvironment
@@ -35,7 +36,7 @@ from rollout.liveness import EngineDead
 from rollout.rewards.registry import RewardFailure, RewardFn, RewardInput
 from rollout.rewards.reward_env import RewardEnv, score_samples
 from rollout.streamed import StreamedSample
-from rollout.vllm_images import vllm_prompt
+from rollout.vllm_images import ImageTokens, vllm_prompt
 
 REWARD_WORKERS = 4
 """Threads that run plain (non-async) reward functions; a hung one keeps its thread until it returns."""
@@ -122,8 +123,10 @@ class GroupSampler:
         self._dead_reason = dead_reason
         self.stats = SamplingStats()
         self.vocab_size = 0
-        self.image_token_id: int | None = None
-        """A vision-language model's image placeholder token (set at engine start); None: a text model."""
+        self.image_token_id: ImageTokens | int | None = None
+        """A vision-language model's image placeholder tokens (set at engine start); None: a text model."""
+        self._moe_layers: tuple[int, ...] | None = None
+        """The model's MoE layers (from the engine's HF config, at the first routed output)."""
         self._request_ids = itertools.count()
         self._reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix=f"reward-{engine_id}")
 
@@ -165,7 +168,8 @@ class GroupSampler:
             else:
                 trajectories.append(Trajectory(np.asarray(result.token_ids), np.asarray(result.logprobs),
                                                result.versions, score.reward, result.finish_reason,
-                                               reward_components=dict(score.components)))
+                                               reward_components=dict(score.components),
+                                               routed_experts=result.routed_experts))
                 self.stats.samples_ok += 1
                 self.stats.tokens_generated += len(result.token_ids)
         return self.finish_group(request, request.prompt_ids, trajectories, group_size)
@@ -314,7 +318,7 @@ class GroupSampler:
             raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
         if streamed is not None:
             return SampledTurn(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
-                           "".join(streamed.text))
+                               "".join(streamed.text), self._routing(c, len(token_ids) + len(streamed.token_ids)))
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise SampleFailed(f"engine returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
@@ -324,7 +328,15 @@ class GroupSampler:
             versions = self.labels.span_versions(c, len(ids))
         except ValueError as exc:
             raise SampleFailed(str(exc)) from None
-        return SampledTurn(ids, lps, versions, c.finish_reason, c.text)
+        return SampledTurn(ids, lps, versions, c.finish_reason, c.text, self._routing(c, len(token_ids) + len(ids)))
+
+    def _routing(self, output: Any, positions: int) -> np.ndarray | None:
+        """The output's routed experts cut to the MoE layers (rollout/routed_experts.py); None if it has none."""
+        if getattr(output, "routed_experts", None) is None:
+            return None
+        if self._moe_layers is None:
+            self._moe_layers = routed_experts.layers_of(self._llm().model_config.hf_config)
+        return routed_experts.trajectory_routing(output, self._moe_layers, positions)
 
     async def _sample_with_retries(self, request: PromptRequest, index: int,
                                    temperature: float | None = None) -> SampledTurn | SampleFailed:

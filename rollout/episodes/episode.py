@@ -48,8 +48,15 @@ class _Episode:
     versions: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn_reasons: list[str] = field(default_factory=list)
+    routed: np.ndarray | None = None
+    """The latest turn's routed experts (rollout/routed_experts.py): its request was the whole episode so far, so
+    they cover every position before its last token, environment tokens included; None once a turn had none."""
+    routed_every_turn: bool = True
 
-    def add_turn(self, ids: list[int], logprobs: list[float], versions: np.ndarray, finish_reason: str) -> None:
+    def add_turn(self, ids: list[int], logprobs: list[float], versions: np.ndarray, finish_reason: str,
+                 routed_experts: np.ndarray | None = None) -> None:
+        self.routed_every_turn &= routed_experts is not None
+        self.routed = routed_experts if self.routed_every_turn else None
         self.ids += ids
         self.logprobs += logprobs
         self.versions += [int(v) for v in versions]
@@ -67,7 +74,7 @@ class _Episode:
         lps, versions = masked_fill(mask, np.asarray(self.logprobs, np.float32), np.asarray(self.versions, np.int32))
         return Trajectory(np.asarray(self.ids, np.int32), lps, versions, reward, finish_reason,
                           reward_components=dict(components), loss_mask=mask,
-                          turn_finish_reasons=list(self.turn_reasons))
+                          turn_finish_reasons=list(self.turn_reasons), routed_experts=self.routed)
 
 
 @dataclass
@@ -157,7 +164,7 @@ async def _play(group: _Group, prompt: list[int], index: int, state: Any) -> _Ou
                                         group.temperature)
         if isinstance(got, Exception):
             return _Outcome(failed_trajectory(f"turn {turn}: {got}", "generation"), by_generation=True)
-        episode.add_turn(got.token_ids, got.logprobs, got.versions, got.finish_reason)
+        episode.add_turn(got.token_ids, got.logprobs, got.versions, got.finish_reason, got.routed_experts)
         stats.turns += 1
         stats.tokens_generated += len(got.token_ids)
         final = turn == max_turns or budget < max_new

@@ -21,6 +21,8 @@ class SampledTurn:
     versions: np.ndarray
     finish_reason: str
     text: str
+    routed_experts: np.ndarray | None = None
+    """The experts the engine routed each position to (rollout/routed_experts.py); None when not asked for."""
 
 
 @dataclass(frozen=True)

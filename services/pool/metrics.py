@@ -12,6 +12,8 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.pool.mismatch import Mismatch
+
 STEP_PHASES = ("step", "policy_training", "generation_exposed", "refit", "other")
 REWARD_FUNCTION_KEY = re.compile(r"^reward_(?P<function>.+)_mean$")
 """A step row's per-reward-function mean (``services.job.batch_stats``)."""
@@ -42,6 +44,17 @@ ENV_COUNTERS = {
 }
 """An engine's per-environment counters (``RolloutEngine.stats()["env"]``) -> (metric name, help); each is
 labelled ``env``."""
+MISMATCH_GAUGES = {
+    "mean": ("inflight_logprob_mismatch_mean", "Mean over the last step's sequences of their mean |learner pi_prev - "
+             "engine| log-prob of the sampled tokens"),
+    "max": ("inflight_logprob_mismatch_max", "Largest mean |log-prob difference| of one sequence, last step"),
+    "token_max": ("inflight_logprob_mismatch_token_max", "Largest |log-prob difference| of one token, last step"),
+    "over_threshold_share": ("inflight_logprob_mismatch_over_threshold_share", "Share of the last step's sequences "
+                             "whose mean exp|log-prob difference| is over the threshold"),
+    "sequences": ("inflight_logprob_mismatch_sequences", "Sequences measured in the last step"),
+}
+"""The learner's per-sequence mismatch statistics (:mod:`services.pool.mismatch`) -> (metric name, help); each is
+labelled ``engine`` and ``age`` (``all``: every engine or age)."""
 
 
 class PoolMetrics:
@@ -110,6 +123,13 @@ class PoolMetrics:
             "inflight_dynamic_sampling_exhausted_groups", "Zero-advantage groups trained because dynamic sampling "
             "reached grpo.dynamic_sampling_max_gen_batches", registry=r)
 
+        self.mismatch = {stat: Gauge(name, doc, ["engine", "age"], registry=r)
+                         for stat, (name, doc) in MISMATCH_GAUGES.items()}
+        self.mismatch_threshold = Gauge("inflight_logprob_mismatch_threshold", "The threshold on a sequence's mean "
+                                        "exp|log-prob difference| (grpo.seq_logprob_error_threshold, else 2)",
+                                        registry=r)
+        self.mismatch_hist = Gauge("inflight_logprob_mismatch_hist", "Sequences of the last step by mean |log-prob "
+                                   "difference|, per bucket (le: its upper bound; not cumulative)", ["le"], registry=r)
         self.env_counters = {key: Counter(name, doc, ["env"], registry=r) for key, (name, doc) in ENV_COUNTERS.items()}
         self.env_calls = Counter("inflight_env_calls", "Calls to an environment server by outcome (ok, timeout, "
                                  "http_5xx, http_4xx, malformed, connection)", ["env", "outcome"], registry=r)
@@ -142,6 +162,22 @@ class PoolMetrics:
                 self.reward_function_mean.labels(function=m["function"]).set(value)
         if report.get("dynamic_sampling_exhausted"):
             self.dynamic_sampling_exhausted.inc(report["dynamic_sampling_exhausted"])
+        self.record_mismatch(Mismatch.of(report))
+
+    def record_mismatch(self, mm: Mismatch | None) -> None:
+        """The step's mismatch gauges, replacing the last step's (an engine gone or an age not seen leaves no
+        series behind); nothing when the step reported none."""
+        if mm is None:
+            return
+        for gauge in (*self.mismatch.values(), self.mismatch_hist):
+            gauge.clear()
+        for (engine, age), values in mm.cells.items():
+            for stat, v in values.items():
+                self.mismatch[stat].labels(engine=engine, age=age).set(v)
+        for le, n in mm.hist:
+            self.mismatch_hist.labels(le=f"{le:g}").set(n)
+        if mm.threshold is not None:
+            self.mismatch_threshold.set(mm.threshold)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from html import escape
 from typing import Any
 
+from services.pool.mismatch import mismatch_section
 from services.pool.status_table import NONE, engine_state, fmt_bytes, fmt_duration, fmt_seconds
 from services.pool.svg_plots import Series, line_plot, stacked_bars
 
@@ -74,6 +75,10 @@ class StepPoint:
     refit_pause_s: float | None = None
     tokens_per_s: float | None = None
     trajectory_age_mean: float | None = None
+    logprob_mismatch_mean: float | None = None
+    """Mean over the step's sequences of their mean |learner - engine| log-prob (``learner.mismatch_stats``)."""
+    logprob_mismatch_max: float | None = None
+    """The step's worst sequence by that mean."""
     ages: dict[int, int] = field(default_factory=dict)
     """Trained groups of the step by age (policy versions)."""
     drops: dict[str, int] = field(default_factory=dict)
@@ -319,7 +324,8 @@ def _series(points: list[StepPoint], key: str, name: str, color: str) -> Series:
 
 
 def plots_section(points: list[StepPoint]) -> str:
-    """Which run the plots show, then reward, gen KL (log scale) and the step-time phases over the kept steps."""
+    """Which run the plots show, then reward, gen KL (log scale), the step-time phases and the log-prob mismatch
+    (log scale) over the kept steps."""
     reward = line_plot("plot-reward", "reward", [_series(points, "reward_mean", "reward mean", "#4c72b0"),
                                                  _series(points, "val_accuracy", "val accuracy", "#c44e52")],
                        y_zero=True)
@@ -328,9 +334,13 @@ def plots_section(points: list[StepPoint]) -> str:
                    log_y=True, value_format=".2e")
     phases = stacked_bars("plot-phases", "step time (s) by phase",
                           [_series(points, key, name, color) for key, name, color in PHASES])
+    mismatch = line_plot("plot-mismatch-steps", "log-prob mismatch |Δ| (log)",
+                         [_series(points, "logprob_mismatch_mean", "mean of sequences", "#8172b3"),
+                          _series(points, "logprob_mismatch_max", "worst sequence", "#c44e52")],
+                         log_y=True, value_format=".2e")
     run = (f"steps {points[0].step}-{points[-1].step}, last reported by {_text(points[-1].learner_id)} "
            f"(the pool keeps the last {HISTORY_STEPS} steps of the run)" if points else "no steps reported yet")
-    plots = "".join(f"<section>{s}</section>" for s in (reward, kl, phases))
+    plots = "".join(f"<section>{s}</section>" for s in (reward, kl, phases, mismatch))
     return f'<p id="run" class="muted">{run}</p><div class="grid" id="plots">{plots}</div>'
 
 
@@ -352,7 +362,8 @@ def render_page(status: dict, points: list[StepPoint], rates: dict[str, float | 
         if errors else ""
     cards = (engines_section(status.get("engines") or {}, status.get("version"), rates)
              + learner_section(status.get("learner"), status.get("last_report"), points, now)
-             + refits_section(points) + drops_section(points) + errors_html)
+             + refits_section(points) + drops_section(points) + mismatch_section(status.get("last_report"))
+             + errors_html)
     at = escape(route_prefix.rstrip("/"))
     live = (f'<div id="live"><p class="summary">{summary}</p><div class="grid">{cards}</div>'
             f'{plots_section(points)}</div>')

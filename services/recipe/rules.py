@@ -31,6 +31,9 @@ def check_recipe(recipe: Recipe) -> None:
     if a.enabled and not recipe.loss_fn.use_importance_sampling_correction:
         raise ValueError("grpo.async_grpo.enabled requires loss_fn.use_importance_sampling_correction=true "
                          "(lag-1 samples come from an older policy)")
+    if p.megatron_cfg.moe_enable_routing_replay and not g.vllm_cfg.enable_return_routed_experts:
+        raise ValueError("policy.megatron_cfg.moe_enable_routing_replay requires policy.generation.vllm_cfg."
+                         "enable_return_routed_experts=true (the engines return the experts the learner replays)")
     if g.vllm_cfg.max_model_len is not None and g.vllm_cfg.max_model_len < p.max_total_sequence_length:
         raise ValueError(f"policy.generation.vllm_cfg.max_model_len ({g.vllm_cfg.max_model_len}) must be >= "
                          f"policy.max_total_sequence_length ({p.max_total_sequence_length})")

@@ -243,3 +243,12 @@ def same_as(other: str, why: str):
         return []
     return fn
 
+
+
+def router_replay(value: Any, src: Source) -> list:
+    """``router_replay.enabled`` -> routing replay on both sides: the engines return the experts they routed each
+    token to, the learner's routers use them (docs/learner.md, "Routing replay")."""
+    if not isinstance(value, bool):
+        raise TranslationError("", f"expected true or false, got {value!r}")
+    return [("policy.megatron_cfg.moe_enable_routing_replay", value),
+            ("policy.generation.vllm_cfg.enable_return_routed_experts", value)]

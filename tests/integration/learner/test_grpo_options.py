@@ -223,6 +223,7 @@ def test_a_sequence_over_the_logprob_error_threshold_is_masked_counted_and_out_o
         batch = groups(masking, num_groups=2, group_size=4, seed=7)
         bad = batch[1].trajectories[2]
         bad.logprobs = (bad.logprobs - 1.0).astype(np.float32)
+        batch[0].engine_id, batch[1].engine_id = "e0", "e1"
         m = masking.train_step(batch)
         assert (m["seq_masked_logprob_error"], m["seq_masked"], m["seq_masked_geo_rs"]) == (1.0, 1.0, 0.0)
         assert m["seq_masked_share"] == pytest.approx(1 / 8) and m["step_skipped"] == 0
@@ -236,6 +237,26 @@ def test_a_sequence_over_the_logprob_error_threshold_is_masked_counted_and_out_o
         # compared: Adam's first update, lr·g/|g|, turns rounding in near-zero gradients into full steps)
         for key in ("loss", "gen_kl_error", "token_mult_prob_error", "grad_norm"):
             assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-7), key
+        _check_mismatch_stats(m, m_ref)
     finally:
         masking.shutdown()
         reference.shutdown()
+
+
+def _check_mismatch_stats(m: dict, m_ref: dict) -> None:
+    """Issue 37 item 3 on the same steps: the masking learner measures all 8 sequences before its filter (the
+    rejected one, 1 nat off, included; groups came from engines ``e0`` / ``e1``, all at age 0), the reference
+    measures its 7 trained ones in the training forward (all on-policy)."""
+    p, hist = "logprob_mismatch", [k for k in m if k.startswith("logprob_mismatch_hist_le_")]
+    assert (m[f"{p}_sequences"], m[f"{p}_threshold"], m[f"{p}_sequences_age_0"]) == (8, 1.5, 8)
+    assert m[f"{p}_over_threshold_share"] == pytest.approx(1 / 8)
+    assert m[f"{p}_over_threshold_share_engine_e1"] == pytest.approx(1 / 4)
+    assert m[f"{p}_over_threshold_share_engine_e0"] == 0 and m[f"{p}_sequences_engine_e0"] == 4
+    assert m[f"{p}_max"] == pytest.approx(1.0, abs=1e-4) and m[f"{p}_token_max"] == pytest.approx(1.0, abs=1e-4)
+    assert m[f"{p}_mean"] == pytest.approx(1 / 8, abs=1e-4)
+    assert m[f"{p}_hist_le_1"] + m[f"{p}_hist_le_inf"] == 1  # 1 nat off, give or take float32 rounding
+    assert len(hist) == 7 and sum(m[k] for k in hist) == 8
+    assert (m_ref[f"{p}_sequences"], m_ref[f"{p}_over_threshold_share"], m_ref[f"{p}_threshold"]) == (7, 0.0, 2.0)
+    assert m_ref[f"{p}_max"] < 1e-4 and m_ref[f"{p}_hist_le_1e-05"] + m_ref[f"{p}_hist_le_0.0001"] == 7
+    # consistent with token_mult_prob_error = mean_t exp|d_t|: on-policy tokens give exp(~0) = 1
+    assert m_ref["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)

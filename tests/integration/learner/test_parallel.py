@@ -66,7 +66,8 @@ def test_two_ranks_equal_one(arch, tp, ep, tiny_model_dir, tiny_moe_dir, tmp_pat
         assert torch.equal(multi["initial"][name], tensor), name
     for a, b in zip(lps, multi["logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    for key in ("loss", "grad_norm", "num_valid_tokens", "probs_ratio_mean", "is_weight_mean"):
+    for key in ("loss", "grad_norm", "num_valid_tokens", "probs_ratio_mean", "is_weight_mean",
+                "logprob_mismatch_sequences"):  # the per-sequence mismatch: summed over the DP ranks
         assert multi["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
     assert multi["metrics"]["num_micro_batches"] == metrics["num_micro_batches"] > 1
     if ep > 1:  # an odd number of micro-batches of different lengths: both kinds of padding ran

@@ -91,6 +91,10 @@ def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
                 engines = page.locator("#engines").inner_text()
                 phases = page.locator("#plot-phases rect.bar").count()
                 kl_points = page.locator("#plot-kl circle.pt").count()
+                mismatch = page.locator("#mismatch").inner_text()
+                mismatch_bars = page.locator("#plot-mismatch rect.bar").count()
+                mismatch_points = page.locator("#plot-mismatch-steps circle.pt").count()
+                scrape = httpx.get(f"{url}/metrics", timeout=10).text
             finally:
                 browser.close()
     finally:
@@ -108,3 +112,23 @@ def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
     assert phases >= 2 * STEPS and kl_points >= STEPS                    # training + refit at least, probe KL
     assert len(requests) > 2 and all(r.startswith(url + "/") for r in requests), requests  # fetched again; no CDN
     assert not problems, problems
+    assert mismatch_points > 0                                            # the mismatch over the steps
+    _check_mismatch(mismatch, mismatch_bars, scrape, tmp_path / "run" / "metrics.jsonl")
+
+
+def _check_mismatch(card: str, bars: int, scrape: str, metrics_jsonl: Path) -> None:
+    """Issue 37 item 3 on the same run: the learner's per-sequence mismatch of the last step in metrics.jsonl (in
+    total = over its one engine; lag 1: ages 0 and 1 only), on the status page (histogram and rows) and in the
+    pool's /metrics."""
+    import json
+
+    row = json.loads(metrics_jsonl.read_text().splitlines()[-1])
+    engine = f"{POOL_NAME}-engine-0"
+    n = row["logprob_mismatch_sequences"]
+    assert n > 0 and row[f"logprob_mismatch_sequences_engine_{engine}"] == n
+    assert sum(row.get(f"logprob_mismatch_sequences_age_{a}", 0) for a in (0, 1)) == n
+    assert sum(v for k, v in row.items() if k.startswith("logprob_mismatch_hist_le_")) == n
+    assert 0 <= row["logprob_mismatch_mean"] <= row["logprob_mismatch_max"] <= row["logprob_mismatch_token_max"]
+    assert row["logprob_mismatch_threshold"] == 2.0 and row["token_mult_prob_error"] >= 1.0
+    assert bars == 7 and engine in card and f"step {STEPS}" in card, card
+    assert f'inflight_logprob_mismatch_sequences{{age="all",engine="{engine}"}} {float(n)}' in scrape

@@ -14,7 +14,11 @@ PROMETHEUS = DASHBOARD.parents[1] / "prometheus" / "prometheus.yml"
 REPORT = {"step": 3, "step_s": 2.0, "policy_training_s": 1.0, "generation_exposed_s": 0.5, "refit_s": 0.25,
           "other_s": 0.25, "trajectory_ages": [0, 1, 1, 2], "rejected": {"stale": 2}, "buffer_groups": 4,
           "reward_mean": 0.5, "reward_format_mean": 0.75, "gen_kl_error": 1e-4, "tokens_per_s": 900.0,
-          "val_accuracy": 0.5, "val_reward_mean": 0.4, "val_pass_at_k": 0.75, "refit_bytes": 1024}
+          "val_accuracy": 0.5, "val_reward_mean": 0.4, "val_pass_at_k": 0.75, "refit_bytes": 1024,
+          # the learner's per-sequence mismatch (learner.mismatch_stats): total, one engine, one age, a bucket
+          "logprob_mismatch_mean": 1e-3, "logprob_mismatch_max": 0.5, "logprob_mismatch_over_threshold_share": 0.25,
+          "logprob_mismatch_mean_engine_engine-0": 1e-3, "logprob_mismatch_max_engine_engine-0": 0.5,
+          "logprob_mismatch_mean_age_1": 1e-3, "logprob_mismatch_hist_le_0.001": 3.0, "logprob_mismatch_threshold": 2.0}
 
 
 def scrape() -> str:
@@ -70,7 +74,7 @@ def test_dashboard_is_importable_with_a_datasource_input():
     for want in ("Policy version", "Reward mean", "Gen KL error", "Step time by phase", "Trajectory age",
                  "Buffer groups", "Generation tokens/s", "Refit seconds and bytes", "Refit pause", "Engine up",
                  "Rejected messages by reason", "Environment calls by outcome", "Failed samples per environment",
-                 "Validation", "Learner tokens/s"):
+                 "Validation", "Learner tokens/s", "Log-prob mismatch", "Log-prob mismatch histogram"):
         assert want in titles, want
     step = next(p for p in panels if p["title"] == "Step time by phase")
     assert step["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"

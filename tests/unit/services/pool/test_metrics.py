@@ -54,3 +54,26 @@ def test_an_engines_environment_counters_reach_metrics_by_environment_as_deltas(
     assert got[("inflight_env_calls_total", (("env", "judge"), ("outcome", "malformed")))] == 1
     assert got[("inflight_env_retries_total", judge)] == 3
     assert got[("inflight_generation_tokens_total", ())] == 65
+
+
+def test_mismatch_gauges_hold_the_last_step_only_and_odd_values_are_skipped():
+    m = PoolMetrics()
+    m.record_step({"step": 1, "logprob_mismatch_mean": 0.5, "logprob_mismatch_mean_engine_e0": 0.25,
+                   "logprob_mismatch_mean_engine_e1": 0.75, "logprob_mismatch_sequences_age_2": 3.0,
+                   "logprob_mismatch_hist_le_0.1": 4.0, "logprob_mismatch_hist_le_oops": 1.0,
+                   "logprob_mismatch_max": float("nan"), "logprob_mismatch_token_max": True,
+                   "logprob_mismatch_threshold": 1.5})
+    got = samples(m)
+    assert got[("inflight_logprob_mismatch_mean", (("age", "all"), ("engine", "all")))] == 0.5
+    assert got[("inflight_logprob_mismatch_mean", (("age", "all"), ("engine", "e1")))] == 0.75
+    assert got[("inflight_logprob_mismatch_sequences", (("age", "2"), ("engine", "all")))] == 3.0
+    assert got[("inflight_logprob_mismatch_hist", (("le", "0.1"),))] == 4.0
+    assert got[("inflight_logprob_mismatch_threshold", ())] == 1.5
+    assert not any(k[0] in ("inflight_logprob_mismatch_max", "inflight_logprob_mismatch_token_max") for k in got)
+    m.record_step({"step": 2, "logprob_mismatch_mean": 0.125, "logprob_mismatch_mean_engine_e0": 0.125})
+    got = samples(m)
+    assert got[("inflight_logprob_mismatch_mean", (("age", "all"), ("engine", "e0")))] == 0.125
+    assert ("inflight_logprob_mismatch_mean", (("age", "all"), ("engine", "e1"))) not in got  # engine e1 left
+    assert not any(k[0] == "inflight_logprob_mismatch_hist" for k in got)
+    m.record_step({"step": 3, "reward_mean": 0.5})  # a row without the keys (validation) keeps the last step's
+    assert samples(m)[("inflight_logprob_mismatch_mean", (("age", "all"), ("engine", "all")))] == 0.125

@@ -242,7 +242,7 @@ def test_page_before_any_engine_or_step():
     assert page.text["version"] == "-" and "not ready" in html
     assert "(none)" in page.text["engines"] and "attachedno" in page.text["learner"]
     assert "no refit reported yet" in page.text["refits"] and "none in the last steps" in page.text["drops"]
-    assert html.count("no steps reported yet") == 4 and "errors" not in page.text    # the run line, three plots
+    assert html.count("no steps reported yet") == 5 and "errors" not in page.text    # the run line, four plots
 
 
 def test_engine_states_are_the_pools_own_words():
@@ -252,3 +252,44 @@ def test_engine_states_are_the_pools_own_words():
     badges = re.findall(r'<td>p-engine-\d</td><td><span class="badge (\w+)">([\w, ]+)</span>', html)
     assert badges == [("ok", "up"), ("warn", "stale"), ("warn", "draining"), ("bad", "down")]
     assert "<td class=num>812</td>" in html                                # the measured tokens/s, rounded
+
+
+def _mismatch_keys() -> dict[str, float]:
+    """The learner's own keys (learner.mismatch_stats) for 3 sequences: engine ``e<1>`` ages 0 and 1, engine e2."""
+    import numpy as np
+    import torch
+
+    from learner.mismatch_stats import MismatchStats
+    from protocol.messages import Trajectory, TrajectoryGroup
+
+    def group(engine: str, versions: list[list[int]]) -> TrajectoryGroup:
+        trajs = [Trajectory(np.array([5, 6]), np.full(2, -1.0), np.array(v), 1.0) for v in versions]
+        return TrajectoryGroup(engine, engine, np.array([1]), trajs, len(trajs), 64, engine_id=engine)
+
+    stats = MismatchStats.of([group("e<1>", [[4, 4], [3, 4]]), group("e2", [[4, 4]])], 4, 1.5)
+    for position, gap in enumerate((0.002, 0.3, 2.0)):
+        stats.add(position, torch.tensor([-1.0 + gap, -1.0]), torch.tensor([-1.0, -1.0]))
+    return stats.metrics()
+
+
+def test_the_mismatch_card_shows_the_last_steps_histogram_and_its_rows():
+    pool = pool_of({"engine-0": FakeEngine(True)})
+    html, _ = page_of(pool, [report(1), report(2, **_mismatch_keys())])
+    page = Page(html)
+    card = page.text["mismatch"]
+    assert page.inside("plot-mismatch", "rect", "bar") == 7               # one bar per bucket
+    assert page.inside("plot-mismatch-steps", "circle", "pt") == 2        # step 2's mean and worst sequence
+    assert "e<1>" in card and "e<1>" not in html.replace("e&lt;1&gt;", "")  # escaped
+    assert "age 0" in card and "age 1" in card and "33.3%" in card        # 2.0 nats: mean exp|d| 4.2 > 1.5
+    assert "1.0e+00" in card and "step 2" in card and "&gt; 1.5" in html  # max of the sequence means: 2.0 / 2
+    got = pool.fleet.metrics.render().decode()
+    assert 'inflight_logprob_mismatch_over_threshold_share{age="all",engine="all"} 0.3333333333333333' in got
+    assert 'inflight_logprob_mismatch_sequences{age="all",engine="e<1>"} 2.0' in got
+    assert 'inflight_logprob_mismatch_max{age="1",engine="all"} 0.15' in got
+    assert 'inflight_logprob_mismatch_hist{le="1"} 2.0' in got and 'inflight_logprob_mismatch_threshold 1.5' in got
+
+
+def test_the_mismatch_card_without_statistics_says_so():
+    page = Page(page_of(pool_of({"engine-0": FakeEngine(True)}), [report(1)])[0])
+    assert "no mismatch statistics" in page.text["mismatch"]
+    assert not any(a.get("id") == "plot-mismatch" for _, a in page.elements)

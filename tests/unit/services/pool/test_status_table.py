@@ -79,3 +79,21 @@ def test_formats():
     assert fmt_seconds(None) == "-" and fmt_seconds(float("nan")) == "-"
     assert fmt_seconds(2.5) == "2.50s" and fmt_seconds(0.0451) == "45ms"
     assert fmt_bytes(512) == "512 B" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(5 * 1024 ** 4) == "5120.0 GiB"
+
+
+def test_status_json_of_a_skipped_step_is_strict_json():
+    """A skipped step reports grad_norm NaN: ``GET /v1/status`` (Starlette's JSONResponse, which refuses NaN) and
+    ``pool status --json`` must still answer, with null in its place."""
+    import json
+
+    from starlette.responses import JSONResponse
+
+    pool = pool_of({"engine-0": FakeEngine(True)})
+    report = {"step": 3, "step_skipped": 1.0, "grad_norm": float("nan"), "refit_s": float("inf"),
+              "reward_mean": 0.25, "logprob_mismatch_engine_e0_max": float("-inf")}
+    status = status_of(pool, report)
+    body = json.loads(JSONResponse(status).body)
+    assert body["last_report"]["grad_norm"] is None and body["last_report"]["refit_s"] is None
+    assert body["last_report"]["logprob_mismatch_engine_e0_max"] is None
+    assert body["last_report"]["reward_mean"] == 0.25 and body["last_report"]["step"] == 3
+    assert "step          3" in render(status)

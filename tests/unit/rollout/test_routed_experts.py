@@ -1,0 +1,48 @@
+"""The engine side of routing replay (rollout/routed_experts.py): the recipe key becomes vLLM's engine argument and
+Model Runner V2 on GPU and is refused on CPU (vLLM 0.32 cannot return routed experts there); a finished
+request's ``routed_experts`` is cut to the MoE layers of each family (Qwen3-MoE: all; Nemotron-H: its ``E``s)."""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rollout.config import VllmConfig
+from rollout.options import EngineOptionError, VllmCapabilities, build_engine_options
+from rollout.routed_experts import layers_of, trajectory_routing
+
+ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "max_num_seqs", "enable_prefix_caching",
+                  "enforce_eager", "worker_extension_cls", "tensor_parallel_size", "pipeline_parallel_size",
+                  "gpu_memory_utilization", "enable_chunked_prefill", "compilation_config",
+                  "enable_return_routed_experts"})
+GPU = VllmCapabilities("0.32.0", "cuda", ARGS, None, None, ("FULL_AND_PIECEWISE",))
+ON = VllmConfig(enable_return_routed_experts=True, enforce_eager=True)
+
+
+def test_gpu_engines_are_asked_for_routed_experts_through_model_runner_v2():
+    opts = build_engine_options(ON, "/m", 512, GPU)
+    assert opts.engine_args["enable_return_routed_experts"] is True
+    assert opts.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    off = build_engine_options(VllmConfig(enforce_eager=True), "/m", 512, GPU)
+    assert "enable_return_routed_experts" not in off.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in off.env
+
+
+def test_cpu_engines_refuse_routed_experts_naming_the_key():
+    with pytest.raises(EngineOptionError, match="vllm_cfg.enable_return_routed_experts=True: .*Triton"):
+        build_engine_options(ON, "/m", 512, dataclasses.replace(GPU, platform="cpu"))
+
+
+def test_a_finished_requests_routing_is_cut_to_the_moe_layers():
+    full = np.zeros((7, 5, 2), np.int32)  # 4 prompt + 4 sampled - 1 positions, 5 decoder layers
+    full[:, 1], full[:, 4] = [3, 1], [0, 2]
+    nemotron = layers_of({"num_hidden_layers": 5, "hybrid_override_pattern": "ME*ME"})
+    assert nemotron == (1, 4)
+    out = trajectory_routing(SimpleNamespace(routed_experts=full), nemotron, 8)
+    assert out is not None and out.dtype == np.uint8 and out.shape == (7, 2, 2)
+    assert out[:, 0].tolist() == [[3, 1]] * 7 and out[:, 1].tolist() == [[0, 2]] * 7
+    assert layers_of({"num_hidden_layers": 2, "num_experts": 4}) == (0, 1)
+    assert trajectory_routing(SimpleNamespace(routed_experts=None), nemotron, 8) is None
+    with pytest.raises(ValueError, match="no MoE layer"):
+        trajectory_routing(SimpleNamespace(routed_experts=full), (), 8)
