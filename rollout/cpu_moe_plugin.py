@@ -128,9 +128,13 @@ def _experts_class() -> type:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: on CPU, let non-gated MoE layers be built and served by
-    :class:`TorchNonGatedExperts`; elsewhere nothing. Idempotent (vLLM may call it more than once)."""
+    :class:`TorchNonGatedExperts`; elsewhere nothing. Idempotent (vLLM may call it more than once). On every
+    platform it also applies :func:`rollout.nano_omni.patch_vllm` (Nano-Omni's features in the model's dtype)."""
     from vllm.platforms import current_platform
 
+    from rollout.nano_omni import patch_vllm
+
+    patch_vllm()
     if not current_platform.is_cpu():
         return
     from vllm.model_executor.layers.fused_moe import config

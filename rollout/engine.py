@@ -32,7 +32,7 @@ from rollout.liveness import EngineDead, EngineProcesses, dead_reason
 from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards.registry import RewardFn
 from rollout.sampling import GroupSampler
-from rollout.vllm_images import image_token_id
+from rollout.vllm_images import image_tokens
 
 __all__ = ["EngineError", "RolloutEngine"]
 
@@ -129,7 +129,7 @@ class RolloutEngine:
         self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self.sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
-        self.sampler.image_token_id = image_token_id(self.model_path)
+        self.sampler.image_token_id = image_tokens(self.model_path)
         await self._bounded(self.labels.set_label(self._llm, self.version), "setting the initial weight version")
 
     async def shutdown(self) -> None:
@@ -178,6 +178,10 @@ class RolloutEngine:
         """The model's Hugging Face tokenizer."""
         self._require_started()
         return self._tokenizer
+
+    def async_llm(self) -> Any:
+        """The running vLLM ``AsyncLLM`` (for serving OpenAI requests on the same engine)."""
+        return self._require_started()
 
     @property
     def options(self) -> EngineOptions:

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rollout import nano_omni
 from rollout.config import VllmConfig, VllmKwargs
+from rollout.routed_experts import CPU_REASON as ROUTED_EXPERTS_ON_CPU
+from rollout.routed_experts import ENV as ROUTED_EXPERTS_ENV
 from rollout.vllm_images import image_token_id
 from rollout.vllm_kwargs import SECTION as KWARGS_KEY
 from rollout.vllm_kwargs import merge_vllm_kwargs
@@ -136,7 +139,7 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...] | None, version
                                             f"it accepts {sorted(choices)}")
 
 
-HYBRID_MODEL_TYPES = ("nemotron_h",)
+HYBRID_MODEL_TYPES = ("nemotron_h", nano_omni.MODEL_TYPE)
 """``model_type`` of the hybrid (Mamba + attention) families the engine serves."""
 SSM_CACHE_DTYPE = "float32"
 """Mamba SSM state dtype of hybrid models (the seed's recipe sets float32; a bf16 state drifts over long
@@ -256,6 +259,12 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             del applied["enable_prefix_caching"]
             ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM's Mamba "
                                          "prefix caching needs chunked prefill, which is off on CPU"))
+    if cfg.enable_return_routed_experts:  # routing replay (rollout/routed_experts.py)
+        if on_cpu:
+            raise EngineOptionError("enable_return_routed_experts", True, ROUTED_EXPERTS_ON_CPU)
+        args["enable_return_routed_experts"] = True
+        env.update(ROUTED_EXPERTS_ENV)
+        platform_args.append("enable_return_routed_experts=True, env VLLM_USE_V2_MODEL_RUNNER=1 (routing replay)")
     if tempered:
         args["logprobs_mode"] = "processed_logprobs"
         platform_args.append("logprobs_mode='processed_logprobs' (temperature, top_k or top_p: the sampled tokens' "
@@ -264,6 +273,11 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
         args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0}
         platform_args.append(f"limit_mm_per_prompt={{'image': {IMAGES_PER_PROMPT}, 'video': 0}} (a vision-language "
                              f"model: images only; vLLM profiles memory for this many)")
+    if nano_omni.is_nano_omni(model_path):  # rollout/nano_omni.py
+        args["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT, "video": 0, "audio": 0}
+        args["hf_overrides"] = nano_omni.hf_overrides(model_path)
+        platform_args.append(f"limit_mm_per_prompt audio 0 and hf_overrides={args['hf_overrides']!r} (Nano-Omni: no "
+                             f"audio; the config key vLLM's nano_nemotron_vl reads, renamed by transformers)")
     applied_kwargs: dict[str, str] = {}
     if kwargs is not None:
         applied_kwargs, dropped = merge_vllm_kwargs(kwargs, args, caps, max_model_len, on_cpu)

@@ -15,10 +15,15 @@ Rows (``train.jsonl``, ``val_a.jsonl``, ``val_b.jsonl``): ``input`` (the questio
 ``image`` (the PNG's path relative to the JSONL file, under ``images/``), ``question_type``, ``condition``,
 ``width``, ``height`` and ``objects`` (the scene: ``"small red circle"``, ...). ``--images bytes`` writes Parquet
 files instead (``train.parquet``, ...), whose ``image`` column holds the PNG bytes. The same ``--seed`` writes the
-same files; every split has its own random stream.
+same files; every split has its own random stream. ``--images hub`` writes NeMo-RL's CLEVR-CoGenT layout instead
+(the Hub sets ``MMInstruction/Clevr_CoGenT_*`` that its ``clevr-cogent`` dataset reads): one ``datasets``
+``save_to_disk`` directory per split (``train``, ``valA``, ``valB``) with the columns ``image`` (a ``datasets.Image``),
+``problem`` (the question) and ``solution`` (``<answer> ... </answer>``), a local copy for a NeMo-RL recipe's
+``data.<train|validation>.data_path``.
 
     python scripts/make_clevr.py --out-dir data/clevr --num-train 2000 --num-val 100 --seed 0
     python scripts/make_clevr.py --out-dir data/clevr-bytes --images bytes
+    python scripts/make_clevr.py --out-dir data/clevr-cogent --images hub
 """
 from __future__ import annotations
 
@@ -161,6 +166,25 @@ def write_split(out_dir: Path, split: str, n: int, seed: int, max_objects: int, 
     return path
 
 
+HUB_SPLITS = {"train": "train", "val_a": "valA", "val_b": "valB"}
+"""This script's splits -> the split names of NeMo-RL's clevr-cogent dataset."""
+
+
+def write_hub_split(out_dir: Path, split: str, n: int, seed: int, max_objects: int, per_image: int) -> Path:
+    """Write one split as NeMo-RL's CLEVR-CoGenT Hub set: a ``save_to_disk`` directory (image, problem, solution)."""
+    import datasets
+
+    split_rows, images = rows(split, n, seed, max_objects, per_image, None)
+    table = {"image": [{"bytes": images[r["image"]], "path": None} for r in split_rows],
+             "problem": [r["input"] for r in split_rows],
+             "solution": [f"<answer> {r['output']} </answer>" for r in split_rows]}
+    features = datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
+                                  "solution": datasets.Value("string")})
+    path = out_dir / HUB_SPLITS[split]
+    datasets.Dataset.from_dict(table, features=features).save_to_disk(str(path))
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out-dir", type=Path, required=True, help="where the splits (and images/) are written")
@@ -169,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-objects", type=int, default=6, help="objects per scene: 1 to this")
     ap.add_argument("--questions-per-image", type=int, default=2, help="rows that share one scene (1 to 5)")
-    ap.add_argument("--images", choices=("files", "bytes"), default="files",
-                    help="files: JSONL rows with relative PNG paths; bytes: Parquet rows with the PNG bytes")
+    ap.add_argument("--images", choices=("files", "bytes", "hub"), default="files",
+                    help="files: JSONL rows with relative PNG paths; bytes: Parquet rows with the PNG bytes; hub: "
+                         "NeMo-RL's CLEVR-CoGenT columns, one save_to_disk directory per split")
     args = ap.parse_args(argv)
     if args.num_train < 1 or args.num_val < 1:
         ap.error("--num-train and --num-val must be >= 1")
@@ -180,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--questions-per-image: expected 1 to 5, got {args.questions_per_image}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", args.num_train), ("val_a", args.num_val), ("val_b", args.num_val)):
-        path = write_split(args.out_dir, split, n, args.seed, args.max_objects, args.questions_per_image,
-                           args.images == "bytes")
+        path = write_hub_split(args.out_dir, split, n, args.seed, args.max_objects, args.questions_per_image) \
+            if args.images == "hub" else write_split(args.out_dir, split, n, args.seed, args.max_objects,
+                                                     args.questions_per_image, args.images == "bytes")
         print(f"wrote {n} rows to {path} (condition {SPLITS[split]})")
 
 

@@ -57,7 +57,7 @@ def _recipe(args: argparse.Namespace, extra: list[str] | None = None) -> Recipe:
     listed once on stderr, with why."""
     recipe, report = load_recipe_with_report(args.recipe, list(args.overrides) + (extra or []))
     if report.ignored:
-        print(f"inflight: {len(report.ignored)} recipe keys have no meaning here:\n{report.summary()}", file=sys.stderr)
+        print(f"inflight: {report.summary()}", file=sys.stderr)
     for resolved in report.resolved:
         print(f"inflight: {resolved.line()}", file=sys.stderr)
     return recipe
@@ -81,9 +81,19 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from services.models.tiny_model import make_tiny_model
+    from services.models.tiny_omni import ARCH as OMNI_ARCH
+    from services.models.tiny_omni import OMNI_SIZES, make_tiny_omni
     from services.models.tiny_vlm import ARCH as VLM_ARCH
     from services.models.tiny_vlm import VLM_SIZES, make_tiny_vlm
 
+    if args.arch == OMNI_ARCH:
+        if args.size not in OMNI_SIZES or args.tie_word_embeddings:
+            raise UserError(f"--arch {OMNI_ARCH}: --size must be one of {tuple(OMNI_SIZES)} (got {args.size!r}) "
+                            "and --tie-word-embeddings is not offered")
+        out = make_tiny_omni(args.dir, seed=args.seed, dtype=args.dtype)
+        print(f"wrote {OMNI_ARCH}/{args.size} (seed {args.seed}; RADIO vision tower + Nemotron-H, no audio tower) "
+              f"to {out}")
+        return 0
     if args.arch == VLM_ARCH:
         if args.size not in VLM_SIZES or args.tie_word_embeddings:
             raise UserError(f"--arch {VLM_ARCH}: --size must be one of {tuple(VLM_SIZES)} (got {args.size!r}) "
@@ -257,6 +267,7 @@ class UserError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     from services.models.tiny_model import ARCHS, SIZES
+    from services.models.tiny_omni import ARCH as OMNI_ARCH
     from services.models.tiny_vlm import ARCH as VLM_ARCH
     from services.models.tiny_vlm import VLM_SIZES
 
@@ -342,9 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--arch", choices=(*ARCHS, VLM_ARCH), default="qwen2",
+    t.add_argument("--arch", choices=(*ARCHS, VLM_ARCH, OMNI_ARCH), default="qwen2",
                    help="model family (llama: Llama 2 layout, llama3: with Llama 3.x RoPE scaling; "
-                        f"{VLM_ARCH}: Qwen2.5-VL, a vision tower + language model with an image processor)")
+                        f"{VLM_ARCH}: Qwen2.5-VL, a vision tower + language model with an image processor; "
+                        f"{OMNI_ARCH}: Nemotron-3-Nano-Omni's RADIO tower + Nemotron-H, no audio tower)")
     t.add_argument("--tie-word-embeddings", action="store_true",
                    help="share the embedding with the output layer (as Qwen2.5-0.5B/1.5B)")
     t.add_argument("--size", choices=tuple(dict.fromkeys((*SIZES, *VLM_SIZES))), default="tiny",

@@ -166,7 +166,9 @@ def load_hub_rows(path: str, split: str | None, key: str, cache_dir: str | None 
             if _offline() else ""
         raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}) could not be loaded: "
                         f"{e}. It is read from the Hub when the run starts: it needs network access to the Hub, or "
-                        f"a copy in the datasets cache (HF_DATASETS_CACHE, default under HF_HOME){offline}") from e
+                        f"a copy in the datasets cache (HF_DATASETS_CACHE, default under HF_HOME){offline}, or a local "
+                        f"copy: the split saved with datasets' save_to_disk, given as {key} (in a NeMo-RL recipe: "
+                        f"data.<train|validation>.data_path beside its dataset_name)") from e
     except Exception as e:  # a wrong split or a broken dataset: say which dataset it was
         raise DataError(f"{key} {path!r}: Hugging Face Hub dataset {repo!r} (split {split!r}): "
                         f"{type(e).__name__}: {e}") from e

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                 "llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
@@ -115,6 +116,27 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 448, seed: int
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def media_tokenizer(out_dir: str | os.PathLike, media_tokens: Sequence[str], chat_template: str, dtype: str,
+                    init_std: float) -> tuple[Any, dict[str, int], int]:
+    """The shared start of a tiny multimodal model: checks ``dtype`` and ``init_std`` (naming the field), writes
+    the seed-0 tokenizer with ``media_tokens`` added and ``chat_template`` to ``out_dir``, and returns it read
+    back, the media tokens' ids and the vocabulary size (rounded up to a multiple of 64)."""
+    from transformers import AutoTokenizer
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype: expected float32 or bfloat16, got {dtype!r}")
+    if not init_std > 0:
+        raise ValueError(f"init_std: expected > 0, got {init_std}")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir, seed=0)
+    tok.add_special_tokens({"additional_special_tokens": list(media_tokens)})
+    tok.chat_template = chat_template
+    tok.save_pretrained(str(out_dir))
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in media_tokens}
+    return tok, ids, ((len(tok) + 63) // 64) * 64
 
 
 class _CommonConfig(TypedDict):

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.models.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from services.models.tiny_model import CHAT_TEMPLATE, media_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """The family's vision tokens, in the order they are added (ids ``len(text vocab)`` onwards)."""
@@ -122,22 +122,11 @@ def make_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, size: str = "tiny",
     token ids). ``init_std`` is the init scale of both the tower and the language model (0.2 gives peaked outputs,
     like a trained model's; 0.02 near-uniform ones)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     dims = _check(size)
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype: expected float32 or bfloat16, got {dtype!r}")
-    if not init_std > 0:
-        raise ValueError(f"init_std: expected > 0, got {init_std}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out, seed=0)
-    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tok.chat_template = VLM_CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    tok = AutoTokenizer.from_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    vocab = ((len(tok) + 63) // 64) * 64
+    tok, ids, vocab = media_tokenizer(out, VISION_TOKENS, VLM_CHAT_TEMPLATE, dtype, init_std)
     cfg = _config(dims, tok, ids, vocab, max_positions, init_std)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg).to(getattr(torch, dtype))

@@ -94,7 +94,9 @@ NEMO_RL_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "nemo_rl"
 NEMO_RL_RECIPES = ("grpo_math_1B.yaml", "grpo_math_1B_megatron.yaml", "grpo_math_qwen30ba3b_megatron.yaml",
                    "recipes/llm/dapo-qwen2.5-7b.v2.yaml",
                    "recipes/llm/performance/grpo-llama3.1-8b-instruct-2n4g-async-1off.yaml",
-                   "vlm_grpo_3B_megatron.yaml")
+                   "vlm_grpo_3B_megatron.yaml",
+                   "recipes/vlm/vlm_grpo-nemotron-omni-30ba3b-clevr-8n4g-megatron-tp1ep8.v1.yaml",
+                   "recipes/vlm/vlm_grpo-nemotron-omni-30ba3b-clevr-8n4g-megatron-tp1ep8-async.v1.yaml")
 """NeMo-RL's GRPO recipes (unmodified copies, tests/data/nemo_rl/NOTICE) whose translation is counted below."""
 
 
@@ -119,8 +121,9 @@ def nemo_rl_counts() -> str:
 NEMO_RL_INTRO = """
 ## NeMo-RL recipes
 
-NeMo-RL's own GRPO recipes (commit 7ea279a, `tests/data/nemo_rl/`), translated as written (`policy.model_name`
-a hub id: the checks that read the model's `config.json` wait for a local directory and are counted as ignored).
+NeMo-RL's own GRPO recipes (commit 7ea279a; the Nano-Omni seeds f6091f6: `tests/data/nemo_rl/NOTICE`), translated
+as written (`policy.model_name` a hub id: the checks that read the model's `config.json` wait for a local directory
+and are counted as ignored).
 *kept*: an Inflight key of the same path and meaning; *mapped*: renamed or derived into Inflight keys; *ignored*:
 listed with the reason; *unknown*: no rule and no Inflight key (none may be left); *errors*: keys whose value
 Inflight cannot honour yet, and the key each error names (docs/nemo_rl.md, "What is not supported")."""

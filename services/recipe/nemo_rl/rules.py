@@ -142,12 +142,26 @@ class TranslationReport:
         return {"leaves": self.leaves, "kept": len(self.kept), "mapped": len({m.source for m in self.mapped}),
                 "ignored": len(self.ignored), "unknown": len(self.unknown), "errors": len(self.errors)}
 
-    def summary(self) -> str:
-        """Ignored keys grouped by reason, one line per reason (for ``inflight validate``/``run``/``attach``)."""
+    def summary(self, max_keys: int | None = 3) -> str:
+        """The ignored keys for ``inflight validate``/``run``/``attach``: a header with the counts, then by top-level
+        section (with its count) one line per reason, each reason once, naming at most ``max_keys`` of its keys
+        (None: all) and how many there are; a reason whose keys span sections is listed under its first key's."""
         by_why: dict[str, list[Path]] = {}
         for item in self.ignored:
             by_why.setdefault(item.why, []).append(item.source)
-        return "\n".join(f"ignored: {', '.join(keys)}: {why}" for why, keys in by_why.items())
+        by_section: dict[str, list[tuple[str, list[Path]]]] = {}
+        for why, keys in by_why.items():
+            by_section.setdefault(keys[0].split(".")[0], []).append((why, keys))
+        n = self.counts()
+        lines = [f"{n['ignored']} of {n['leaves']} recipe keys have no meaning here ({n['kept']} kept, {n['mapped']} "
+                 f"mapped); by section, each reason once:"]
+        for section, groups in by_section.items():
+            lines.append(f"{section}: {sum(len(keys) for _, keys in groups)} ignored")
+            for why, keys in groups:
+                shown = keys if max_keys is None or len(keys) <= max_keys else keys[:max_keys]
+                more = f" (+{len(keys) - len(shown)} more; {len(keys)} in all)" if len(shown) < len(keys) else ""
+                lines.append(f"  ignored: {', '.join(shown)}{more}: {why}")
+        return "\n".join(lines)
 
 
 def leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[Path, Any]]:

@@ -172,8 +172,10 @@ ALGORITHM_RULES: Table = {
                                                       "(policy.generation.max_retries), then its prompt is dropped "
                                                       "with a reason and replaced; a step that cannot be filled fails "
                                                       "at policy.generation.group_deadline_s"),
-    "grpo.deduplicate_multimodal_data": Ignore("a transport optimisation of NeMo-RL's Ray payloads for images; it does "
-                                               "not change what is trained"),
+    "grpo.deduplicate_multimodal_data": Ignore("NeMo-RL's switch to send a group's images once, not once per sample: "
+                                               "Inflight always does (a prompt's image is prepared once by the image "
+                                               "workers and its pixels travel once with the prompt, shared by its "
+                                               "group's samples: docs/multimodal.md); not what is trained"),
     "grpo.debug_payload_metrics": Ignore("NeMo-RL's debug telemetry of its Ray payload sizes"),
     "grpo.calculate_advantages_on_gpu": Ignore("where NeMo-RL computes the advantages; here the learner computes them "
                                                "per group, same values"),

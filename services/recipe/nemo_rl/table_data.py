@@ -26,7 +26,9 @@ from services.recipe.data import MATH_VERIFY_IMPLS
 from services.recipe.nemo_rl.datasets import (
     RESPONSE_DATASET,
     RESPONSE_SUFFIXES,
+    VLM_ENVS,
     hub_dataset,
+    vlm_rewards,
 )
 from services.recipe.nemo_rl.policy_rules import nemo_rl
 from services.recipe.nemo_rl.rules import Derive, Ignore, NeutralOnly, Path, Rule, Source, TranslationError, When
@@ -36,9 +38,10 @@ DATASET_KEYS = ("dataset_name", "data_path", "split", "subset", "input_key", "ou
                 "seed", "prompt_file", "system_prompt_file", "processor", "env_name")
 """The keys of a NeMo-RL dataset block that Inflight reads; any other is an error naming it."""
 SHARED = ("data.input_key", "data.output_key", "data.task_columns", "data.prompt_file", "data.system_prompt_file",
-          "data.env_name")
+          "data.env_name", "data.image_key")
 """Inflight keys the training and the validation set share: both blocks must give the same value."""
 MATH_PROCESSORS = ("default", "math_hf_data_processor")
+VLM_PROCESSOR = "vlm_hf_data_processor"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -124,17 +127,20 @@ def _dataset(b: Block, out: Resolved) -> dict[Path, tuple[Any, Path]]:
             shared[target] = (value, leaf)
 
     name, processor = b.get("dataset_name"), b.get("processor", "default")
-    if processor not in MATH_PROCESSORS:
-        why = "NeMo-RL's vision-language processor is not translated (Inflight reads images from its own " \
-              "data.image_key rows: docs/multimodal.md)" if processor == "vlm_hf_data_processor" \
-            else "Inflight's rows become prompts one way (math_hf_data_processor's)"
-        raise TranslationError(b.at("processor"), f"{processor!r}: {why}; expected one of "
-                                                  f"{', '.join(MATH_PROCESSORS)}")
+    if processor not in (*MATH_PROCESSORS, VLM_PROCESSOR):
+        raise TranslationError(b.at("processor"), f"{processor!r}: Inflight's rows become prompts one way "
+                                                  f"(math_hf_data_processor's, with the image first for "
+                                                  f"{VLM_PROCESSOR}); expected one of "
+                                                  f"{', '.join((*MATH_PROCESSORS, VLM_PROCESSOR))}")
     if b.get("subset") is not None:
         raise TranslationError(b.at("subset"), f"{b.get('subset')!r}: Hub dataset configurations (subsets) are not "
                                                f"supported; expected null")
     holds_out, size_leaf = 0.0, b.at("split_validation_size")
     if name is None or name == RESPONSE_DATASET:
+        if processor == VLM_PROCESSOR:
+            raise TranslationError(b.at("processor"), f"{processor!r} on a data_path dataset: its image column is "
+                                                      f"not known here; expected default (and Inflight's "
+                                                      f"data.image_key on an Inflight recipe: docs/multimodal.md)")
         if b.get("data_path") is None:
             raise TranslationError(b.at("dataset_name"), "no dataset_name and no data_path: expected one (a NeMo-RL "
                                                          "dataset name, or a data_path with ResponseDataset)")
@@ -159,10 +165,19 @@ def _dataset(b: Block, out: Resolved) -> dict[Path, tuple[Any, Path]]:
         split = b.get("split") if hd.splits or hd.split_hub_ids else None
         if split is not None and hd.splits and split not in hd.splits:
             raise TranslationError(b.at("split"), f"{split!r}: {name} has the splits {', '.join(hd.splits)}")
+        if (processor == VLM_PROCESSOR) != (hd.image_key is not None):
+            kind, want = ("vision-language", VLM_PROCESSOR) if hd.image_key else ("text", "default")
+            raise TranslationError(b.at("processor" if "processor" in b else "dataset_name"),
+                                   f"{processor!r}: {name} is a {kind} dataset; expected {want}")
         hub, hub_split = hd.source(split)
         lead = b.at("dataset_name")
-        put(lead, path_key, hub)
-        put(b.at("split") if split is not None else lead, split_key, hub_split)
+        if b.get("data_path") is not None:  # a local copy of the named set (same columns): Inflight's extension
+            put(b.at("data_path"), path_key, _local_or_hub(b.get("data_path"), b.at("data_path")))
+        else:
+            put(lead, path_key, hub)
+            put(b.at("split") if split is not None else lead, split_key, hub_split)
+        if hd.image_key is not None:
+            put(b.at("processor"), "data.image_key", hd.image_key)
         put(lead, "data.input_key", hd.input_key)
         output = b.get("output_key") if hd.output_key_option and "output_key" in b else hd.output_key
         put(b.at("output_key") if output != hd.output_key else lead, "data.output_key", output)
@@ -215,7 +230,9 @@ def _data_rules() -> dict[Path, Rule]:
         "dataset_name": "a NeMo-RL dataset name becomes its Hugging Face Hub dataset (data.<train|val>_data_path: "
                         "hf://..., its split, input_key, output_key, task_columns: []); ResponseDataset reads "
                         "data_path",
-        "data_path": "data.<train|val>_data_path: a local file or save_to_disk directory, or a Hub id as hf://<id>",
+        "data_path": "data.<train|val>_data_path: a local file or save_to_disk directory, or a Hub id as hf://<id>; "
+                     "beside a dataset_name, a local copy of that named set (its Hub columns), read instead of the "
+                     "Hub (Inflight's extension: NeMo-RL's classes read the Hub)",
         "split": "data.<train|val>_split of a Hub dataset (a named set may keep each split in its own Hub dataset)",
         "subset": "Hub dataset configuration: only null",
         "input_key": "data.input_key, for a data_path dataset (a named dataset has fixed columns)",
@@ -229,7 +246,9 @@ def _data_rules() -> dict[Path, Rule]:
                      "prompt_file.format(problem) as the user turn, the model's chat template with "
                      "add_generation_prompt, the answer as the reward's ground truth. That is how every Inflight "
                      "row becomes a prompt and a task (data.prompt_file, data.system_prompt_file, data.output_key "
-                     "-> task['answer']), so there is nothing to set",
+                     "-> task['answer']), so there is nothing to set. vlm_hf_data_processor: the same, with the "
+                     "row's image before the text in the user turn: a vision-language dataset's image column "
+                     "becomes data.image_key (clevr-cogent: image)",
         "env_name": "data.env_name: the env.<name> section that scores the rows",
     }
     rules: dict[Path, Rule] = {}
@@ -278,9 +297,13 @@ def _env_leaf(name: str, key: str, value: Any, src: Source) -> list[tuple[Path, 
     if name not in resolve(src).envs:
         return []
     path = f"env.{name}.{key}"
+    if name in VLM_ENVS and key in ("num_workers", "reward_functions"):
+        return [(path, value if key == "num_workers" else vlm_rewards(path, value))]
     if name not in ("math", "math_default"):
         raise TranslationError(path, f"env.{name} scores the data, but Inflight's env sections score as NeMo-RL's "
-                                     f"math environment only (expected data env_name 'math')")
+                                     f"math environment{' (num_workers, reward_functions)' if name in VLM_ENVS else ''}"
+                                     f" and its vision-language one only (expected data env_name 'math' or "
+                                     f"'clevr-cogent')")
     if key in ("num_workers", "reward_functions", "timeout_s"):
         return [(path, value)]
     if key == "math_verify_impl":

@@ -167,6 +167,8 @@ GENERATION: dict[str, Rule | None] = {
            f"{V}.num_last_layers_in_bf16"),
     f"{V}.reset_encoder_cache_after_weight_update": Ignore("multimodal encoders only"),
     f"{V}.skip_tokenizer_init": Ignore("Inflight's engines take token ids and return token ids either way"),
+    f"{V}.cap_max_tokens_to_context": off(True, "Inflight always caps an answer at max_total_sequence_length minus "
+                                                "its prompt (data.max_input_seq_length), as NeMo-RL does when true"),
 }
 
 TOP: dict[str, Rule | None] = {
@@ -184,13 +186,16 @@ TOP: dict[str, Rule | None] = {
     "tokenizer.use_fastokens": Ignore("a faster tokenizer implementation: speed only"),
     "tokenizer.use_processor": off(False, VLM_DATA),
     **each(off((), "audio/video inputs are not supported"), "tokenizer.audio.*", "tokenizer.video.*"),
-    "is_vlm": off(False, VLM_DATA),
+    "is_vlm": Ignore("NeMo-RL's switch to its vision-language model and data path; Inflight reads images whenever "
+                     "data.image_key is set (vlm_hf_data_processor sets it from the dataset) and takes the vision "
+                     "tower from the model's config"),
     "dynamic_batching.*": Ignore("length-sorted micro-batches: " + MEMORY),
     **each(Ignore(MEMORY), "sequence_packing.logprob_mb_tokens", "sequence_packing.algorithm",
            "sequence_packing.microbatch_order", "sequence_packing.sequence_length_round"),
     "draft.enabled": off(False, "training a speculative-decoding draft model is not supported"),
     "draft.*": Ignore("draft-model settings, and it is off (draft.enabled false)"),
-    "router_replay.enabled": off(False, "MoE router replay is not supported"),
+    "router_replay.enabled": Derive(d.router_replay, f"{M}.moe_enable_routing_replay and "
+                                    f"{V}.enable_return_routed_experts (routing replay)"),
     "reward_model_cfg.enabled": off(False, "reward models are not supported"),
     "reward_model_cfg.*": Ignore("reward-model settings, and it is off (reward_model_cfg.enabled false)"),
     "pretrained_checkpoint": off((None,), "Inflight loads weights from policy.model_name"),

@@ -122,6 +122,21 @@ def test_rows_load_through_the_data_loader_and_their_images_prepare(tmp_path):
             assert pool.counts.deduplicated >= len(rows) // 2 - 1  # two questions per scene
         hashes[name] = [p.sha256 for p in prepared]  # type: ignore[union-attr]
         assert len({tuple(p.image_grid_thw) for p in prepared}) > 5  # type: ignore[union-attr]
+    hub = _make(tmp_path, "hub", "--images", "hub")  # NeMo-RL's CLEVR-CoGenT columns, save_to_disk per split
+    assert sorted(p.name for p in hub.iterdir()) == ["train", "valA", "valB"]
+    data = DataConfig(train_data_path=str(hub / "train"), image_key="image", input_key="problem",
+                      output_key="solution", task_columns=[], image_workers=2)
+    rows = load_rows(str(hub / "train"))
+    assert rows.dataset.column_names == ["image", "problem", "solution"]
+    mapper = RowMapper.of(data)
+    mapper.check_columns(rows, "data.train_data_path")
+    mapped = [mapper.map(rows.row(i)) for i in range(len(rows))]
+    assert [m.task["answer"] for m in mapped] == [f"<answer> {r['output']} </answer>"
+                                                  for r in _rows(files / "train.jsonl")]
+    with ImagePool.for_data(data, proc) as pool:
+        prepared = pool.prepare([ref for i in range(len(rows)) for ref in data.row_images(rows.row(i))],
+                                base_dir=str(hub / "train"))
+    assert [p.sha256 for p in prepared] == hashes["files"]  # type: ignore[union-attr]
     assert hashes["files"] == hashes["bytes"]  # the same PNG bytes, by path or inline
     assert DataConfig().row_images({"image": "x.png"}) == []  # no image_key: text rows
     assert DataConfig(image_key="img").row_images({"img": ["a.png", "b.png"]}) == ["a.png", "b.png"]

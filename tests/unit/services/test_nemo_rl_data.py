@@ -26,9 +26,8 @@ OTHERS = ("grpo", "loss_fn", "policy")
 """Sections other tables own."""
 RULES = {**DATA_RULES, **RUN_RULES}
 SAME = (*table_data.SAME_MEANING, *table_run.SAME_MEANING)
-TEXT_FIXTURES = [f for f in FIXTURES if not f.startswith(("vlm", "grpo_sliding_puzzle"))]
-"""The recipes of a text data set (the VLM ones fail on their image data, the sliding puzzle on its game:
-test_nemo_rl_older_names.py)."""
+TEXT_FIXTURES = [f for f in FIXTURES if not f.startswith("grpo_sliding_puzzle")]
+"""The recipes of a data set, text or images (the sliding puzzle fails on its game: test_nemo_rl_older_names.py)."""
 BASE = {"policy": {"dtensor_cfg": {"enabled": True}, "max_total_sequence_length": 4096},
         "data": {"train": {"dataset_name": "OpenMathInstruct-2"}, "default": {"env_name": "math"}},
         "env": {"math": {"num_workers": 4}}}
@@ -140,12 +139,51 @@ def test_dapo_data_is_the_dapo_sets_scored_by_dapo_math_verify():
         ["dapo_math_verify"] and env.num_workers == 16
 
 
-def test_vlm_recipe_is_refused_at_its_image_processor():
-    with pytest.raises(TranslationError) as e:
-        translated(part("vlm_grpo_3B_megatron.yaml"))
-    assert e.value.path == "data.default.processor"
-    assert "'vlm_hf_data_processor': NeMo-RL's vision-language processor is not translated" in str(e.value)
-    assert "expected one of default, math_hf_data_processor" in str(e.value)
+def test_vlm_recipe_is_clevr_cogent_on_the_hub_with_its_image_column():
+    out, report = translated(part("vlm_grpo_3B_megatron.yaml"))
+    d = out["data"]
+    assert (d["train_data_path"], d["train_split"]) == ("hf://MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train")
+    assert (d["val_data_path"], d["val_split"]) == ("hf://MMInstruction/Clevr_CoGenT_ValA", "train")
+    assert (d["input_key"], d["output_key"], d["image_key"], d["task_columns"]) == ("problem", "solution", "image", [])
+    assert {m.source for m in report.mapped if m.target == "data.image_key"} == {"data.default.processor"}
+    env = EnvConfig.model_validate(out["env"]).named["clevr-cogent"]  # NeMo-RL's format / exact_alnum, 0.2 / 0.8
+    assert [(f.name, f.weight) for f in env.reward_functions] == [("tag_format", 0.2), ("exact_alnum", 0.8)]
+    assert DataConfig.model_validate(d).image_key == "image"
+
+
+def test_a_local_copy_of_a_named_set_replaces_the_hub(tmp_path):
+    out, report = translated(with_(data__train={"dataset_name": "clevr-cogent", "split": "valB",
+                                                "data_path": str(tmp_path), "processor": "vlm_hf_data_processor"}))
+    d = out["data"]
+    assert (d["train_data_path"], d["image_key"], d["output_key"]) == (str(tmp_path), "image", "solution")
+    assert "train_split" not in d and "data.train.split" in {i.source for i in report.ignored}
+
+
+@pytest.mark.parametrize("train, path, match", [
+    ({"dataset_name": "clevr-cogent"}, "data.train.dataset_name",
+     "'default': clevr-cogent is a vision-language dataset; expected vlm_hf_data_processor"),
+    ({"dataset_name": "OpenMathInstruct-2", "processor": "vlm_hf_data_processor"}, "data.train.processor",
+     "OpenMathInstruct-2 is a text dataset; expected default"),
+    ({"data_path": "rows.jsonl", "processor": "vlm_hf_data_processor"}, "data.train.processor",
+     "on a data_path dataset: its image column is not known here"),
+])
+def test_the_image_processor_must_fit_the_dataset(train, path, match):
+    with pytest.raises(TranslationError, match=match) as e:
+        translated(with_(data__train=train))
+    assert e.value.path == path
+
+
+@pytest.mark.parametrize("rewards, path, match", [
+    ([{"name": "geo3k", "weight": 1.0}], "env.clevr-cogent.reward_functions.0.name", "'geo3k': expected one of"),
+    ([{"name": "format", "weight": 1.0, "kwargs": {"think_tag": "t"}}], "env.clevr-cogent.reward_functions.0.kwargs",
+     "reads the <think>/<answer> tags only"),
+])
+def test_vlm_rewards_without_a_counterpart_are_refused(rewards, path, match):
+    data = with_(data__train={"dataset_name": "clevr-cogent", "processor": "vlm_hf_data_processor"},
+                 data__default={"env_name": "clevr-cogent"}, env={"clevr-cogent": {"reward_functions": rewards}})
+    with pytest.raises(TranslationError, match=match) as e:
+        translated(data)
+    assert e.value.path == path
 
 
 @pytest.mark.parametrize("name, hub, split, cols", [
@@ -177,11 +215,11 @@ def test_openmathinstruct2_split_output_key_and_default_hold_out():
 @pytest.mark.parametrize("train, path, match", [
     ({"dataset_name": "squad"}, "data.train.dataset_name",
      "'squad' is not a NeMo-RL dataset Inflight knows; expected one of OpenMathInstruct-2, DAPOMath17K"),
-    ({"dataset_name": "clevr-cogent"}, "data.train.dataset_name", "vision-language dataset .*not translated"),
+    ({"dataset_name": "geometry3k"}, "data.train.dataset_name", "vision-language datasets other than clevr-cogent"),
     ({"dataset_name": "OpenMathInstruct-2", "repeat": 2}, "data.train.repeat",
      "2: a NeMo-RL dataset option Inflight does not have"),
     ({"dataset_name": "OpenMathInstruct-2", "processor": "sft_processor"}, "data.train.processor",
-     "'sft_processor': .*expected one of default, math_hf_data_processor"),
+     "'sft_processor': .*expected one of default, math_hf_data_processor, vlm_hf_data_processor"),
     ({"dataset_name": "OpenMathInstruct-2", "subset": "x"}, "data.train.subset", "'x': .*expected null"),
     ({"data_path": "/no/such/file"}, "data.train.data_path", "no such file or directory"),
     ({"data_path": "rows.txt"}, "data.train.data_path", ".txt files are not read here"),

@@ -181,3 +181,20 @@ def test_the_seed_recipes_vllm_stack_chat_template_kwargs_and_bad_words_are_kept
     assert recipe.policy.tokenizer.chat_template_kwargs == {"enable_thinking": True}
     assert recipe.policy.generation.bad_words == ["foo"]
     assert not report.unknown and "policy.generation.vllm_kwargs.kernel_config.moe_backend" in report.kept
+
+
+def test_http_server_keys_mean_the_pools_openai_endpoint(dense):
+    """``vllm_cfg.expose_http_server`` and ``http_server_serving_chat_kwargs`` turn on and configure the pool's
+    ``/v1/chat/completions`` (docs/agents.md); off by default."""
+    chat = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"
+    recipe, report = load(MEGATRON, dense, "policy.generation.vllm_cfg.expose_http_server=true",
+                          f"{chat}.enable_auto_tools=true", f"{chat}.tool_parser=hermes",
+                          f"{chat}.reasoning_parser=qwen3")
+    v = recipe.policy.generation.vllm_cfg
+    assert v.expose_http_server and v.http_server_serving_chat_kwargs.tool_parser == "hermes"
+    assert v.http_server_serving_chat_kwargs.enable_auto_tools and v.http_server_serving_chat_kwargs.reasoning_parser
+    assert not any(i.source.startswith("policy.generation.vllm_cfg.")
+                   and "http_server" in i.source for i in report.ignored)
+    assert not load(MEGATRON, dense)[0].policy.generation.vllm_cfg.expose_http_server
+    with pytest.raises(RecipeError, match="enable_auto_tools needs tool_parser"):
+        load(MEGATRON, dense, f"{chat}.enable_auto_tools=true")

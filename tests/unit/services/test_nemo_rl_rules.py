@@ -86,7 +86,19 @@ def test_the_report_classifies_every_leaf_and_the_summary_groups_by_reason():
     assert list(leaves(data)) == [("a.x", 1), ("n.p", 2), ("n.q", {}), ("n.r", [1]), ("stray", 3)]
     assert report.counts() == {"leaves": 5, "kept": 1, "mapped": 1, "ignored": 2, "unknown": 1, "errors": 0}
     assert report.unknown == ["stray"] and out["stray"] == 3  # left for the schema to reject
-    assert report.summary() == "ignored: n.q, n.r: empty"
+    assert report.summary() == "2 of 5 recipe keys have no meaning here (1 kept, 1 mapped); by section, each reason " \
+                               "once:\nn: 2 ignored\n  ignored: n.q, n.r: empty"
+
+
+def test_the_summary_counts_each_section_names_each_reason_once_and_shortens_long_lists():
+    data = {"s": {f"k{i}": i for i in range(6)}, "t": {"a": 1, "b": 2}, "u": {"c": 3}}
+    table = {"s.*": Ignore("speed"), "t.a": Ignore("speed"), "t.b": Ignore("logging"), "u.c": Ignore("logging")}
+    _, report = run(data, table)
+    lines = report.summary().splitlines()
+    assert lines[0].startswith("9 of 9 recipe keys have no meaning here")
+    assert lines[1:] == ["s: 7 ignored", "  ignored: s.k0, s.k1, s.k2 (+4 more; 7 in all): speed",
+                         "t: 2 ignored", "  ignored: t.b, u.c: logging"]
+    assert report.summary(max_keys=None).count("s.k") == 6 and report.summary().count("speed") == 1
 
 
 def test_not_strict_collects_every_error_and_goes_on():

@@ -43,6 +43,9 @@ def test_tag_format_scores_each_sample_of_a_batch():
     ("red", "red", 0.0),  # no tags
     ("<think>red</think>", "red", 0.0),
     ("<answer>red", "red", 0.0),
+    ("<answer>3</answer>", "<answer> 3 </answer>", 1.0),  # CLEVR-CoGenT's tagged solution column
+    ("<answer>3</answer>", "<answer> 4 </answer>", 0.0),
+    ("<answer>answer3answer</answer>", "<answer> 3 </answer>", 0.0),
 ])
 def test_exact_alnum(text, answer, want):
     assert exact_alnum(_inputs(text, task={"answer": answer})) == [want]

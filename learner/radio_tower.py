@@ -1,0 +1,141 @@
+"""Nemotron-3-Nano-Omni's vision side for the learner: the RADIO ViT, the pixel shuffle and the MLP projector.
+
+:class:`RadioVision` turns a prompt's images, given as RADIO's packed input (each image's normalised, channel-major
+16 x 16 patches in row-major order, concatenated; ``image_grid_hw`` the patch grid of each), into one embedding per
+image token: the ViT's patch features (class and register tokens dropped), a 0.5 pixel shuffle (2 x 2 neighbouring
+patches into one vector of four times the width) and the projector (RMSNorm, linear, squared ReLU, linear) to the
+language model's width. An image of ``h x w`` patches gives ``h * w / 4`` tokens, the run of ``<image>`` that
+the model's processor writes between ``<img>`` and ``</img>``.
+
+The ViT and the projector are transformers' own modules of the family (``RadioModel`` with its input conditioner
+external, as ``NemotronH_Omni_Reasoning_V3`` builds it; ``NemotronH_Omni_Reasoning_V3MultiModalProjector``), built from
+``config.json`` (:class:`RadioSpec`) in float32 with SDPA attention: Megatron-Core 0.16.1's RADIO ViT needs
+Transformer Engine. Frozen by default (``requires_grad`` off, eval mode), as the seed's recipes; trainable otherwise.
+Weights under the published names: :mod:`learner.radio_weights`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MODEL_TYPE = "nemotron_h_omni"
+
+
+@dataclass(frozen=True)
+class RadioSpec:
+    """The vision side of a ``nemotron_h_omni`` ``config.json``."""
+
+    vision_config: dict[str, Any]
+    """``vision_config`` as it is (transformers' ``RadioConfig`` fields; vLLM's ``args`` are dropped)."""
+    vision_hidden_size: int
+    projector_hidden_size: int
+    text_hidden_size: int
+    downsample_ratio: float
+    image_token_id: int
+    norm_mean: tuple[float, float, float]
+    norm_std: tuple[float, float, float]
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.vision_config.get("patch_size", 16))
+
+    @property
+    def merge(self) -> int:
+        """Patches a side that the pixel shuffle merges into one token (2 for a ratio of 0.5)."""
+        return round(1 / self.downsample_ratio)
+
+    def tokens(self, grid_hw: tuple[int, int]) -> int:
+        """Image tokens of an image of ``grid_hw`` patches."""
+        return grid_hw[0] * grid_hw[1] // self.merge ** 2
+
+    @classmethod
+    def of(cls, cfg: dict[str, Any]) -> RadioSpec:
+        """The spec of a ``config.json`` (published key names accepted too); ``ValueError`` naming what is missing."""
+        if cfg.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"model_type: expected {MODEL_TYPE!r}, got {cfg.get('model_type')!r}")
+        text = cfg.get("text_config") or cfg.get("llm_config")
+        vision = cfg.get("vision_config")
+        if not isinstance(text, dict) or not isinstance(vision, dict):
+            raise ValueError("a nemotron_h_omni config.json needs text_config and vision_config mappings")
+        if int(text.get("num_nextn_predict_layers") or 0) > 0:
+            raise ValueError("text_config.num_nextn_predict_layers > 0 (a vision_final_layernorm the checkpoint does "
+                             "not store): not supported by the learner's Nano-Omni tower")
+        image_token = cfg.get("image_token_id", cfg.get("img_context_token_id"))
+        if not isinstance(image_token, int):
+            raise ValueError("a nemotron_h_omni config.json needs image_token_id (or img_context_token_id)")
+        ratio = float(cfg.get("downsample_ratio", 0.5))
+        if round(1 / ratio) * ratio != 1:
+            raise ValueError(f"downsample_ratio: expected 1/n, got {ratio}")
+        return cls(vision_config={k: v for k, v in vision.items() if k not in ("args", "preferred_resolution",
+                                                                                 "separate_video_embedder")},
+                   vision_hidden_size=int(cfg.get("vision_hidden_size", cfg.get("vit_hidden_size", 1280))),
+                   projector_hidden_size=int(cfg.get("projector_hidden_size", 4096)),
+                   text_hidden_size=int(text["hidden_size"]), downsample_ratio=ratio, image_token_id=image_token,
+                   norm_mean=tuple(cfg.get("norm_mean", vision.get("norm_mean"))),  # type: ignore[arg-type]
+                   norm_std=tuple(cfg.get("norm_std", vision.get("norm_std"))))  # type: ignore[arg-type]
+
+
+class RadioVision(torch.nn.Module):
+    """``vision_model`` (RADIO) + ``multi_modal_projector``; see the module docstring."""
+
+    def __init__(self, spec: RadioSpec, frozen: bool = True):
+        from transformers import RadioConfig, RadioModel
+        from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+            NemotronH_Omni_Reasoning_V3MultiModalProjector as Projector,
+        )
+
+        super().__init__()
+        self.spec = spec
+        config = RadioConfig(**spec.vision_config)
+        self.vision_model = RadioModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        self.vision_model.make_preprocessor_external()
+        self.multi_modal_projector = Projector(spec.vision_hidden_size * spec.merge ** 2, spec.projector_hidden_size,
+                                               spec.text_hidden_size)
+        self.frozen = False
+        if frozen:
+            self.freeze()
+
+    def freeze(self) -> None:
+        """No gradient, no optimizer state, eval mode from now on."""
+        self.frozen = True
+        self.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True) -> RadioVision:
+        return super().train(mode and not self.frozen)
+
+    def pixel_shuffle(self, features: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """``[rows * cols, c]`` patch features -> ``[rows * cols / m^2, c * m^2]`` (transformers' and vLLM's v2)."""
+        m = self.spec.merge
+        x = features.view(1, rows, cols // m, -1)
+        x = x.transpose(1, 2).contiguous().view(1, cols // m, rows // m, -1).transpose(1, 2).contiguous()
+        return x.flatten(0, 2)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
+        """``[image tokens, text hidden]`` of the packed images (image after image, row-major in each)."""
+        grids = [(int(h), int(w)) for h, w in image_grid_hw.tolist()]
+        if sum(h * w for h, w in grids) != pixel_values.shape[0]:
+            raise ValueError(f"pixel_values holds {pixel_values.shape[0]} patches, image_grid_hw describes "
+                             f"{sum(h * w for h, w in grids)}")
+        if any(h % self.spec.merge or w % self.spec.merge for h, w in grids):
+            raise ValueError(f"image_grid_hw {grids}: each side must be a multiple of {self.spec.merge}")
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            features = self.vision_model(pixel_values.float(), image_grid_hw=image_grid_hw).features
+            parts = features.split([h * w for h, w in grids])
+            shuffled = torch.cat([self.pixel_shuffle(f, h, w) for f, (h, w) in zip(parts, grids, strict=True)])
+            return self.multi_modal_projector(shuffled)
+
+
+def radio_patches(image: Any, spec: RadioSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``(h, w, 3)`` uint8 image (sides multiples of ``patch_size * merge``, already at the size the processor
+    chose) as RADIO's packed input: normalised channel-major patches, row-major, and its ``[1, 2]`` patch grid."""
+    p = spec.patch_size
+    x = torch.as_tensor(image).float() / 255
+    x = (x - torch.tensor(spec.norm_mean)) / torch.tensor(spec.norm_std)
+    rows, cols = x.shape[0] // p, x.shape[1] // p
+    if rows * p != x.shape[0] or cols * p != x.shape[1]:
+        raise ValueError(f"image of {tuple(x.shape[:2])} pixels: sides must be multiples of {p}")
+    x = x.permute(2, 0, 1).reshape(3, rows, p, cols, p).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3 * p * p)
+    return x, torch.tensor([[rows, cols]])

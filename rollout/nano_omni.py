@@ -1,0 +1,63 @@
+"""Nemotron-3-Nano-Omni (``nemotron_h_omni``) on vLLM's ``nano_nemotron_vl``: two measured incompatibilities and
+their fixes.
+
+1. transformers 5.19 reads the published ``config.json`` with its own ``nemotron_h_omni`` config class, which renames
+   the published keys (``vit_hidden_size`` becomes ``vision_hidden_size``, ``llm_config`` ``text_config``...).
+   vLLM 0.32's model still reads ``config.vit_hidden_size`` and fails at construction ("'NemotronH_Omni_Reasoning_V3_
+   Config' object has no attribute 'vit_hidden_size'"). :func:`hf_overrides` gives it back through vLLM's own
+   ``hf_overrides`` engine argument.
+2. vLLM 0.32's ``extract_feature_dynamic`` casts the RADIO features to bfloat16 whatever the model's dtype, so a
+   float32 engine fails in the projector ("expected m1 and m2 to have the same dtype, but got: c10::BFloat16 !=
+   float"). :func:`patch_vllm` (called by the ``vllm.general_plugins`` entry point, :mod:`rollout.cpu_moe_plugin`)
+   casts to the language model's dtype instead: the same in a bfloat16 engine.
+
+Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 0 items and
+:mod:`rollout.vllm_images` refuses a prompt holding the audio placeholder.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPE = "nemotron_h_omni"
+
+
+def is_nano_omni(model_path: str) -> bool:
+    """Whether ``model_path``'s ``config.json`` is a Nano-Omni (False when it cannot be read)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError):
+        return False
+
+
+def hf_overrides(model_path: str) -> dict[str, Any]:
+    """The config keys vLLM's ``nano_nemotron_vl`` reads under their published names, which transformers renamed."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    hidden = cfg.get("vit_hidden_size", cfg.get("vision_hidden_size"))
+    if not isinstance(hidden, int):
+        raise ValueError(f"{model_path}/config.json: a {MODEL_TYPE} without vit_hidden_size or vision_hidden_size")
+    return {"vit_hidden_size": hidden}
+
+
+def patch_vllm() -> None:
+    """Make ``NemotronH_Nano_VL_V2.extract_feature_dynamic`` keep the model's dtype (fix 2 of the module docstring).
+    Idempotent; nothing when vLLM has no ``nano_nemotron_vl``."""
+    try:
+        from vllm.model_executor.models import nano_nemotron_vl
+    except ImportError:
+        return
+    cls = nano_nemotron_vl.NemotronH_Nano_VL_V2
+    if getattr(cls.extract_feature_dynamic, "inflight_dtype_fix", False):
+        return
+
+    def extract_feature_dynamic(self, pixel_values, imgs_sizes):
+        _, vit_embeds = self.vision_model(pixel_values, imgs_sizes=imgs_sizes)
+        vit_embeds = vit_embeds.to(dtype=self.llm_dtype)  # vLLM 0.32: torch.bfloat16
+        if self.vision_final_layernorm is not None:
+            vit_embeds = self.vision_final_layernorm(vit_embeds)
+        vit_embeds = self.pixel_shuffle_dynamic_res(vit_embeds, imgs_sizes=imgs_sizes)
+        return self.mlp1(vit_embeds)
+
+    extract_feature_dynamic.inflight_dtype_fix = True  # pyright: ignore[reportFunctionMemberAccess]
+    cls.extract_feature_dynamic = extract_feature_dynamic

@@ -1,0 +1,94 @@
+"""Nemotron-3-Nano-Omni in the engine without starting vLLM: its engine arguments (hybrid SSM cache, no audio,
+vLLM's ``vit_hidden_size`` given back), its image tokens (``<img>`` / ``</img>`` removed around each collapsed run,
+as vLLM's processor writes them), audio prompts refused, and the dtype fix of vLLM's feature extraction."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.images import PromptImage
+from rollout.config import VllmConfig
+from rollout.nano_omni import hf_overrides, is_nano_omni, patch_vllm
+from rollout.options import build_engine_options
+from rollout.vllm_images import ImageTokens, image_tokens, unwrap_runs, vllm_prompt
+
+IMG, START, END, AUDIO = 9, 7, 8, 11
+TOKENS = ImageTokens(IMG, START, END, AUDIO)
+
+
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory):
+    from services.models.tiny_omni import make_tiny_omni
+
+    return str(make_tiny_omni(tmp_path_factory.mktemp("tiny-omni"), seed=0))
+
+
+def test_image_tokens_of_the_tiny_omni_and_of_a_qwen_config(omni_dir, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(omni_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<image>", "<img>", "</img>", "<so_embedding>")}
+    assert image_tokens(omni_dir) == ImageTokens(ids["<image>"], ids["<img>"], ids["</img>"], ids["<so_embedding>"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {},
+                                                      "image_token_id": 5}))
+    assert image_tokens(str(tmp_path)) == ImageTokens(5)
+    assert image_tokens("/not/a/model") is None
+
+
+@pytest.mark.parametrize("ids,want", [
+    ([1, START, IMG, END, 2], [1, IMG, 2]),
+    ([START, IMG, END, START, IMG, END], [IMG, IMG]),
+    ([START, 1, END, IMG], [START, 1, END, IMG]),  # only around an image token
+    ([IMG, END, END], [IMG, END]),
+])
+def test_unwrap_runs(ids, want):
+    assert unwrap_runs(ids, TOKENS) == want
+    assert unwrap_runs(ids, ImageTokens(IMG)) == ids
+
+
+def test_an_image_prompt_goes_to_vllm_as_the_processor_wants_it():
+    image = PromptImage(hashlib.sha256(b"a").hexdigest(), np.zeros((32, 64, 3), dtype=np.uint8))
+    prompt = vllm_prompt([1, START, IMG, IMG, IMG, END, 2], [image], 3, TOKENS)
+    assert prompt["prompt_token_ids"] == [1, IMG, 2]
+    assert prompt["multi_modal_uuids"] == {"image": [f"{image.sha256}-v3"]}
+
+
+def test_audio_prompts_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"audio inputs are not supported: the prompt holds 2 audio placeholder "
+                                         r"tokens \(id 11\)"):
+        vllm_prompt([1, AUDIO, AUDIO, 2], [], 0, TOKENS)
+    assert vllm_prompt([1, AUDIO], [], 0, ImageTokens(IMG))["prompt_token_ids"] == [1, AUDIO]  # Qwen: plain text
+
+
+def test_engine_arguments(omni_dir):
+    from test_options import CPU
+    caps = dataclasses.replace(CPU, engine_arg_names=CPU.engine_arg_names | {
+        "mamba_ssm_cache_dtype", "limit_mm_per_prompt", "hf_overrides"})
+    assert is_nano_omni(omni_dir) and not is_nano_omni("/not/a/model")
+    opts = build_engine_options(VllmConfig(), omni_dir, 512, caps)
+    args = opts.engine_args
+    assert args["limit_mm_per_prompt"] == {"image": 8, "video": 0, "audio": 0}
+    assert args["hf_overrides"] == hf_overrides(omni_dir) == {"vit_hidden_size": 64}
+    assert args["mamba_ssm_cache_dtype"] == "float32" and args["enable_prefix_caching"] is False
+
+
+def test_patched_feature_extraction_keeps_the_model_dtype():
+    from vllm.model_executor.models.nano_nemotron_vl import NemotronH_Nano_VL_V2
+    patch_vllm()
+    patch_vllm()  # idempotent
+    fn = NemotronH_Nano_VL_V2.extract_feature_dynamic
+    assert getattr(fn, "inflight_dtype_fix", False)
+    seen = {}
+
+    def mlp1(x):
+        seen["dtype"] = x.dtype
+        return x
+    fake = SimpleNamespace(vision_model=lambda p, imgs_sizes: (None, p), llm_dtype=torch.float32,
+                           vision_final_layernorm=None, pixel_shuffle_dynamic_res=lambda x, imgs_sizes: x, mlp1=mlp1)
+    fn(fake, torch.ones(1, 4, 8), [(32, 32)])
+    assert seen["dtype"] == torch.float32  # vLLM 0.32's own cast gives bfloat16
