@@ -10,7 +10,9 @@ the other's types.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -100,5 +102,17 @@ class PoolStatus:
     """The attached learner's last step report, without its per-group lists."""
 
     def to_json(self) -> dict:
-        """The JSON object of ``/v1/status`` and ``inflight pool status --json``."""
-        return asdict(self)
+        """The JSON object of ``/v1/status`` and ``inflight pool status --json``: a non-finite number (a skipped
+        step's NaN ``grad_norm``) becomes null, which strict JSON encoders (Starlette's) accept."""
+        return _finite(asdict(self))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float, at any depth of dicts and lists, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

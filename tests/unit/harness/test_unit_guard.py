@@ -37,3 +37,21 @@ def test_outside_a_unit_test_the_calls_are_the_originals():
     finally:
         unit_guard._IN_UNIT_TEST[0] = was
     assert calls == [1]
+
+
+def test_a_session_of_both_tiers_guards_only_the_unit_tests(tmp_path):
+    """pytest calls tests/unit/conftest.py's run-test hook for every item of the session: a test outside
+    tests/unit that runs after a unit test must run without the guard (it used to fail with UnitTierViolation)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    outside = tmp_path / "test_outside_the_unit_tier.py"
+    outside.write_text("import unit_guard\n\n\ndef test_runs_unguarded():\n    assert unit_guard._IN_UNIT_TEST[0] is False\n")
+    tests = Path(__file__).resolve().parents[2]
+    inside = f"{Path(__file__).resolve()}::test_outside_a_unit_test_the_calls_are_the_originals"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "--rootdir", str(tests.parent), inside, str(outside)],
+                          cwd=tests.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout

@@ -139,6 +139,21 @@ def test_a_failed_probe_pushes_again_once_then_stops():
     assert pushes == [1]
 
 
+def test_the_final_parity_error_gives_both_measurements_and_what_to_check():
+    """A gap that stays after pushing again is either a wrong install or the model's numerics: the error names
+    both, with the gen KL before and after the second push, and the limit to raise once the install is proven."""
+    pool = FakePool(1)
+    pool.engines["pool-engine-0"]["offset"] = 0.2
+    before = float(np.exp(0.2) - 1.2)
+    with pytest.raises(ParityError) as raised:
+        probe_of(pool).checked(0, lambda: pool.install("pool-engine-0", offset=0.3))
+    message, after = str(raised.value), float(np.exp(0.3) - 1.3)
+    assert raised.value.gen_kl == pytest.approx(after)
+    assert f"gen KL {after:.3g} > logger.parity_max_gen_kl 0.01" in message
+    assert f"({before:.3g} before pushing again)" in message
+    assert "not serving the learner's weights" in message and "set logger.parity_max_gen_kl above" in message
+
+
 def test_parity_check_passes_close_logprobs_and_names_a_scrambled_engine():
     learner = [[-1.0, -2.0, -0.5], [-3.0]]
     close = parity_stats([[-1.0001, -2.0, -0.5], [-3.0002]], learner)
