@@ -15,6 +15,27 @@ from pydantic import ConfigDict, Field, model_validator
 from protocol.config_base import ConfigModel
 
 
+class ServingChatKwargs(ConfigModel):
+    """The parsers of the pool's ``/v1/chat/completions``: tool calls and reasoning read out of the model's text.
+
+    ``policy.generation.vllm_cfg.http_server_serving_chat_kwargs``, NeMo-RL's key; vLLM's own parsers."""
+
+    enable_auto_tools: bool = False
+    """Let the model decide to call tools (``tool_choice: "auto"``); needs ``tool_parser``. Named and
+    ``required`` tool choices work without it (vLLM constrains the output to the tool's JSON schema)."""
+    tool_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """vLLM's tool-call parser for the model's format (e.g. ``hermes``, ``llama3_json``, ``qwen3_coder``)."""
+    reasoning_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """vLLM's reasoning parser (e.g. ``qwen3``, ``deepseek_r1``): the answer's thinking is returned apart, as
+    ``reasoning_content``. None: the whole text is the answer's ``content``."""
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> ServingChatKwargs:
+        if self.enable_auto_tools and self.tool_parser is None:
+            raise ValueError("enable_auto_tools needs tool_parser (the model's tool-call format, e.g. hermes)")
+        return self
+
+
 class VllmConfig(ConfigModel):
     """``policy.generation.vllm_cfg``: options of each vLLM engine."""
 
@@ -51,6 +72,14 @@ class VllmConfig(ConfigModel):
     gives the same tensors as the layerwise ``reload_weights`` for this model, and with one foreach copy into
     the parameters once a copy plan recorded on that push is proven equal to plain load
     (``rollout.install.direct_load``); False: always ``reload_weights``."""
+    enable_return_routed_experts: bool = False
+    """Return the experts each position was routed to (vLLM's name; GPU only: rollout/routed_experts.py), carried
+    by each trajectory for routing replay (``policy.megatron_cfg.moe_enable_routing_replay``). Off by default."""
+    expose_http_server: bool = False
+    """Serve OpenAI's ``POST /v1/chat/completions`` and ``GET /v1/models`` from the pool's engines at the current
+    policy version, for agents (docs/agents.md); callers need the pool's serving key (docs/security.md)."""
+    http_server_serving_chat_kwargs: ServingChatKwargs = Field(default_factory=ServingChatKwargs)
+    """Tool-call and reasoning parsers of ``/v1/chat/completions`` (with ``expose_http_server``)."""
 
 
 class KernelKwargs(ConfigModel):

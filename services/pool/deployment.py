@@ -4,8 +4,9 @@ One replica is the pool's controller and HTTP ingress: ``GET /healthz``,
 ``/readyz`` (503 until every engine is loaded at a known version), ``/metrics``
 (Prometheus), ``/v1/status``, ``/v1/history`` and the live status page ``/``
 (:mod:`services.pool.status_page`, read-only like them), and ``POST /v1/admin/{pause,resume,drain,scale}`` with
-``Authorization: Bearer <token>``. The work is done by the parts it builds:
-the :class:`~services.pool.fleet.Fleet` (engines, their table), the
+``Authorization: Bearer <token>``; with ``vllm_cfg.expose_http_server``, OpenAI's ``POST /v1/chat/completions``
+and ``GET /v1/models`` for agents (:mod:`services.pool.openai_api`, docs/agents.md). The work is done by the
+parts it builds: the :class:`~services.pool.fleet.Fleet` (engines, their table), the
 :class:`~services.pool.dispatch.Dispatcher` (prompts), the
 :class:`~services.pool.watcher.HealthWatcher`, and the pool halves of the
 weight transports (:mod:`services.refit`). Serve copies this class into the
@@ -22,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request, Response
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
@@ -31,6 +32,15 @@ from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
 from services.pool.dispatch import Dispatcher
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
+from services.pool.openai_api import (
+    SESSION_HEADER,
+    ChatLimits,
+    OpenAIError,
+    check_chat_body,
+    check_key,
+    check_session,
+    model_list,
+)
 from services.pool.status_page import StepHistory, TokenRates, render_page, security_headers
 from services.pool.watcher import HealthWatcher
 from services.recipe.config import Recipe
@@ -79,6 +89,9 @@ class RolloutPool:
         self.watcher = HealthWatcher(self.fleet, self.dispatcher, self.fanout.reinstall)
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
+        self._next_chat_engine = 0
+        self._chats = asyncio.Semaphore(self.recipe.policy.generation.vllm_cfg.max_num_seqs)
+        """Chat requests admitted at once (more are refused with 429): one engine's ``max_num_seqs``."""
 
     def _ensure_started(self) -> None:
         """Start the engines and the health watcher on the loop that serves requests.
@@ -152,6 +165,12 @@ class RolloutPool:
         """One engine's response log-probs; ``image_prompts``: per sequence, an encoded ``PromptRequest`` whose
         ``images`` are the prompt's (vision-language prompts)."""
         return await self.fleet.logprobs_of(prompt_ids, response_ids, engine_id, image_prompts)
+
+    async def take_session(self, session: str) -> list:
+        """The :class:`~services.pool.token_capture.CapturedCompletion` s served in rollout ``session`` (its
+        ``/v1/chat/completions`` calls with that ``x-inflight-session``), from every engine; forgotten there."""
+        parts = await asyncio.gather(*(h.take_session.remote(session) for h in self.fleet.handles.values()))
+        return [c for part in parts for c in part]
 
     async def sleep_engines(self) -> None:
         await self.fleet.sleep()
@@ -272,3 +291,63 @@ class RolloutPool:
             raise HTTPException(status_code=422, detail=str(err)) from None
         except ScaleError as err:
             raise HTTPException(status_code=409 if err.outcome == "refused" else 503, detail=str(err)) from None
+
+    # ------------------------------------------------------------ OpenAI-compatible serving (docs/agents.md)
+    def _openai_gate(self, authorization: str | None) -> None:
+        if not self.recipe.policy.generation.vllm_cfg.expose_http_server:
+            raise OpenAIError(404, "this pool does not serve OpenAI requests "
+                                   "(policy.generation.vllm_cfg.expose_http_server is false)", "NotFoundError")
+        check_key(authorization, self._token)
+
+    @app.get("/v1/models")
+    async def openai_models(self, authorization: str | None = Header(default=None)):
+        try:
+            self._openai_gate(authorization)
+        except OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return model_list(self.recipe.policy.model_name, self.recipe.policy.max_total_sequence_length,
+                          self.fleet.version, int(self.fleet.started_at))
+
+    @app.post("/v1/chat/completions")
+    async def openai_chat(self, request: Request, authorization: str | None = Header(default=None)):
+        """Checked here (:func:`check_chat_body`), answered by a serving engine's vLLM (round robin); the head
+        ``x-inflight-policy-version`` is the version that engine served when it admitted the request."""
+        self._ensure_started()
+        try:
+            self._openai_gate(authorization)
+            session = check_session(request.headers.get(SESSION_HEADER))
+            body = await request.body()
+            check_chat_body(body, ChatLimits(self.recipe.policy.max_total_sequence_length))
+            if self._chats.locked():
+                raise OpenAIError(429, "too many chat requests at once; retry later", "RateLimitError")
+            engines = self.fleet.serving()
+            if not engines:
+                raise OpenAIError(503, f"pool {self.name!r}: no engine serving version {self.fleet.version}",
+                                  "ServiceUnavailableError")
+            eid = engines[self._next_chat_engine % len(engines)]
+            self._next_chat_engine += 1
+            await self._chats.acquire()
+        except OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        timeout_s = self.recipe.policy.generation.request_timeout_s
+        try:
+            chunks = self.fleet.handles[eid].chat_completion.options(num_returns="streaming").remote(body, session)
+            head = await asyncio.wait_for(await chunks.__anext__(), timeout_s)
+            headers = {"x-inflight-policy-version": str(head.version), "x-inflight-engine": eid}
+            if not head.stream:
+                answer = await asyncio.wait_for(await chunks.__anext__(), timeout_s)
+                self._chats.release()
+                return Response(answer, status_code=head.status, media_type="application/json", headers=headers)
+        except Exception as exc:  # noqa: BLE001 - the engine failed or timed out: a 503 in OpenAI's shape
+            self._chats.release()
+            err = OpenAIError(503, f"engine {eid}: {type(exc).__name__}: {exc}"[:1000], "ServiceUnavailableError")
+            return JSONResponse(err.body(), status_code=err.status)
+
+        async def relay():
+            try:
+                async for ref in chunks:
+                    yield await ref
+            finally:
+                self._chats.release()
+
+        return StreamingResponse(relay(), status_code=head.status, media_type="text/event-stream", headers=headers)

@@ -123,6 +123,8 @@ class EngineSpec:
     """``grpo.max_rollout_turns``."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them."""
+    model_name: str = ""
+    """``policy.model_name``: the model ``/v1/chat/completions`` serves, by the name ``/v1/models`` gives."""
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles,
@@ -132,7 +134,8 @@ class EngineSpec:
                    recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
                    a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s,
                    RewardEnvSpec.from_recipe(recipe), environment_spec(recipe, served_env_url),
-                   recipe.grpo.max_rollout_turns, dict(recipe.policy.tokenizer.chat_template_kwargs))
+                   recipe.grpo.max_rollout_turns, dict(recipe.policy.tokenizer.chat_template_kwargs),
+                   recipe.policy.model_name)
 
 
 def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
@@ -164,6 +167,8 @@ class EngineActor:
         self._new_engine = lambda: _engine_with_environment(spec, new_engine, get_reward_fn)
         self.engine = self._new_engine()
         self.channel_timeout_s = spec.channel_timeout_s
+        self.spec = spec
+        self._chat: tuple[Any, Any] | None = None  # (the RolloutEngine, its ChatServer)
         self._tasks: set[asyncio.Task] = set()
         self._started = False
         self._starts = 0
@@ -270,6 +275,30 @@ class EngineActor:
             else:
                 out.groups.append(encode(res))
         return out
+
+    async def chat_completion(self, body: bytes, session: str | None = None):
+        """One ``/v1/chat/completions`` body answered by vLLM's chat serving on this engine (a Ray streaming
+        generator: a :class:`~services.pool.openai_engine.ChatHead`, then the JSON body or the SSE chunks); in a
+        rollout ``session``, its tokens are kept for :meth:`take_session`."""
+        async for item in self._chat_server().complete(body, session):
+            yield item
+
+    async def take_session(self, session: str) -> list:
+        """The :class:`~services.pool.token_capture.CapturedCompletion` s this engine served in ``session``."""
+        return [] if self._chat is None else self._chat[1].take_session(session)
+
+    def _chat_server(self):
+        """The chat server of the running vLLM engine (built at the first request, again after a restart)."""
+        from services.pool.openai_engine import ChatServer
+
+        engine = self.engine
+        if self._chat is None or self._chat[0] is not engine:
+            vllm_cfg = self.spec.generation.vllm_cfg
+            self._chat = (engine, ChatServer(engine.async_llm(), engine.model_path,
+                                             self.spec.model_name or engine.model_path,
+                                             vllm_cfg.http_server_serving_chat_kwargs,
+                                             self.spec.chat_template_kwargs, lambda: engine.version))
+        return self._chat[1]
 
     async def install(self, manifest_bytes: bytes, bucket_refs: list, reset: bool = False) -> int:
         """Install an object-store push (verified first; atomic); returns the version now served."""

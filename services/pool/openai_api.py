@@ -1,0 +1,126 @@
+"""The pool's OpenAI-compatible face, ingress side: who may call it, what a request must be, OpenAI-shaped errors.
+
+``POST /v1/chat/completions`` is answered by one of the pool's engines through vLLM's own chat serving
+(:mod:`services.pool.openai_engine`); the ingress only checks what it can without the model: the caller's key,
+the body's size and JSON shape, the bounds of ``n`` / ``max_tokens`` / ``stream``, and how many requests run at
+once. Every refusal has OpenAI's error shape as vLLM writes it (``{"error": {"message", "type", "param",
+"code"}}``), so the official ``openai`` client raises its usual exceptions. Pure: no Ray, no vLLM.
+
+Who may call: the pool's *serving key*, an HMAC of the admin token (:func:`serving_key`), or the admin token
+itself. The serving key lets an agent generate and nothing else: it cannot pause, drain or scale the pool, and
+the admin token cannot be recovered from it (docs/security.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest ``/v1/chat/completions`` body (a long multi-turn conversation with tools fits many times over)."""
+MAX_N = 64
+"""Most answers one request may ask for (``n``)."""
+SERVING_KEY_CONTEXT = b"inflight openai serving v1"
+
+
+@dataclass(frozen=True)
+class OpenAIError(Exception):
+    """A refusal in OpenAI's shape: HTTP ``status``, a ``message``, vLLM's error ``type`` and the ``param``."""
+
+    status: int
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class ChatLimits:
+    """The bounds the ingress checks before an engine sees a request."""
+
+    max_model_len: int
+    """``policy.max_total_sequence_length``: ``max_tokens`` may not exceed it (vLLM checks prompt + answer)."""
+    max_n: int = MAX_N
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+@dataclass(frozen=True)
+class ChatBody:
+    """What the ingress needs to know of a checked request."""
+
+    stream: bool
+    n: int
+
+
+def serving_key(admin_token: str) -> str:
+    """The key agents use for ``/v1/chat/completions``: HMAC-SHA256 of a fixed context under the admin token."""
+    return hmac.new(admin_token.encode(), SERVING_KEY_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def check_key(authorization: str | None, admin_token: str) -> None:
+    """Accept ``Authorization: Bearer <serving key or admin token>``; raise a 401 :class:`OpenAIError` else."""
+    scheme, _, token = (authorization or "").partition(" ")
+    ok = scheme.lower() == "bearer" and token != "" and any(
+        hmac.compare_digest(token.encode(), k.encode()) for k in (serving_key(admin_token), admin_token))
+    if not ok:
+        raise OpenAIError(401, "the pool's OpenAI endpoints need 'Authorization: Bearer <serving key>' "
+                               "(docs/agents.md)", "AuthenticationError")
+
+
+SESSION_HEADER = "x-inflight-session"
+"""The header that puts a request in a rollout session (its tokens are kept for the trainer)."""
+
+
+def check_session(value: str | None) -> str | None:
+    """A rollout session id: 1..128 of ``A-Z a-z 0-9 _ . : -``; None without the header."""
+    if value is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", value):
+        raise OpenAIError(400, f"{SESSION_HEADER}: 1..128 characters of A-Z a-z 0-9 _ . : -", param=SESSION_HEADER)
+    return value
+
+
+def _int_field(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OpenAIError(400, f"{name}: expected an integer, got {type(value).__name__}", param=name)
+    if not low <= value <= high:
+        raise OpenAIError(400, f"{name}: expected {low}..{high}, got {value}", param=name)
+    return value
+
+
+def check_chat_body(raw: bytes, limits: ChatLimits) -> ChatBody:
+    """Check what the ingress can of a ``/v1/chat/completions`` body (the engine's vLLM checks the rest)."""
+    if len(raw) > limits.max_body_bytes:
+        raise OpenAIError(413, f"the request body is {len(raw)} bytes; at most {limits.max_body_bytes}")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(400, f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    if not isinstance(body.get("model"), str):
+        raise OpenAIError(400, "model: required, a string (GET /v1/models names it)", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise OpenAIError(400, "messages: required, a non-empty list of message objects", param="messages")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise OpenAIError(400, f"stream: expected a boolean, got {type(stream).__name__}", param="stream")
+    n = _int_field(body, "n", 1, limits.max_n)
+    for name in ("max_tokens", "max_completion_tokens"):
+        _int_field(body, name, 1, limits.max_model_len)
+    return ChatBody(bool(stream), 1 if n is None else n)
+
+
+def model_list(model: str, max_model_len: int, version: int, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one model the pool serves, with the policy version it serves now."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "inflight",
+                                        "root": model, "max_model_len": max_model_len, "policy_version": version}]}

@@ -1,0 +1,115 @@
+"""The pool's OpenAI-compatible chat completions, engine side: vLLM's own chat serving around the engine's AsyncLLM.
+
+:class:`ChatServer` builds vLLM's ``OpenAIServingChat`` (and the renderer and model list it needs) around the
+``AsyncLLM`` the engine already runs, so a request is rendered with the model's chat template and the recipe's
+``chat_template_kwargs``, and its output read by vLLM's tool-call and reasoning parsers exactly as ``vllm serve``
+does; the requests share the engine (and its in-flight weight installs) with the training groups.
+
+:meth:`ChatServer.complete` answers one request body as a :class:`ChatHead` followed by the body: one JSON text,
+or the SSE chunks of a stream. Every token's policy version is recorded from the engine's labels
+(``CompletionOutput.weight_versions``) by a thin wrapper of the engine client; a
+non-streamed answer carries them as ``policy_versions`` (per choice, spans of output tokens), and every answer
+says in its head the version served when it was admitted. The tokens themselves are captured
+(:mod:`services.pool.token_capture`) and kept per rollout session.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rollout.config import ServingChatKwargs
+from services.pool.token_capture import CapturedChoice, CapturedCompletion, CapturingClient, SessionStore
+
+
+@dataclass(frozen=True)
+class ChatHead:
+    """The first item of an answer: its HTTP status, whether the body is an SSE stream, and the policy version
+    the engine served when the request was admitted."""
+
+    status: int
+    stream: bool
+    version: int
+
+
+class ChatServer:
+    """vLLM's chat-completion serving over one engine's ``AsyncLLM`` (see the module docstring)."""
+
+    def __init__(self, llm: Any, model_path: str, model_name: str, kwargs: ServingChatKwargs,
+                 chat_template_kwargs: dict[str, Any], version: Callable[[], int]):
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        self.client = CapturingClient(llm)
+        self.sessions = SessionStore()
+        self.version = version
+        models = OpenAIServingModels(engine_client=self.client,  # pyright: ignore[reportArgumentType]
+                                     base_model_paths=[BaseModelPath(name=model_name, model_path=model_path)])
+        auto, tools, reasoning = kwargs.enable_auto_tools, kwargs.tool_parser, kwargs.reasoning_parser or ""
+        template_kwargs = dict(chat_template_kwargs) or None
+        renderer = OnlineRenderer(llm.model_config, llm.renderer, request_logger=None, chat_template=None,
+                                  chat_template_content_format="auto", default_chat_template_kwargs=template_kwargs,
+                                  enable_auto_tools=auto, tool_parser=tools, reasoning_parser=reasoning)
+        self.chat = OpenAIServingChat(self.client, models, "assistant",  # pyright: ignore[reportArgumentType]
+                                      online_renderer=renderer, request_logger=None, chat_template=None,
+                                      chat_template_content_format="auto", default_chat_template_kwargs=template_kwargs,
+                                      enable_auto_tools=auto, tool_parser=tools, reasoning_parser=reasoning)
+
+    async def complete(self, raw: bytes, session: str | None = None) -> AsyncIterator[ChatHead | str]:
+        """Answer one ``/v1/chat/completions`` body: a :class:`ChatHead`, then the JSON body or the SSE chunks.
+        In a rollout ``session``, the tokens served are kept for the trainer (:meth:`take_session`)."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.utils import random_uuid
+
+        version = self.version()
+        try:
+            request = ChatCompletionRequest.model_validate_json(raw)
+        except ValidationError as err:
+            why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+            yield ChatHead(400, False, version)
+            yield json.dumps(_error(400, why[:2000], "BadRequestError"))
+            return
+        request.request_id = random_uuid()
+        rid = f"chatcmpl-{request.request_id}"
+        try:
+            result = await self.chat.create_chat_completion(request, None)
+        except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape (vLLM's mapping); the engine goes on
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            self.client.take(rid)
+            yield ChatHead(result.error.code, False, version)
+            yield result.model_dump_json()
+            return
+        if isinstance(result, ChatCompletionResponse):
+            body = result.model_dump()
+            body["policy_versions"] = [[asdict(s) for s in c.spans] for c in self._captured(rid, session)]
+            yield ChatHead(200, False, version)
+            yield json.dumps(body)
+            return
+        yield ChatHead(200, True, version)
+        try:
+            async for chunk in result:
+                yield chunk
+        finally:
+            self._captured(rid, session)
+
+    def _captured(self, rid: str, session: str | None) -> list[CapturedChoice]:
+        """The choices captured for ``rid``, kept under ``session`` if there is one."""
+        completion = self.client.take(rid)
+        if session is not None and completion.choices:
+            self.sessions.add(session, completion)
+        return completion.in_order()
+
+    def take_session(self, session: str) -> list[CapturedCompletion]:
+        """The completions served in ``session`` on this engine, in the order they finished (forgotten here)."""
+        return self.sessions.take(session)
+
+
+def _error(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

@@ -1,0 +1,150 @@
+"""OpenAI-compatible serving from a live CPU pool (issue 38, item 1), driven by the official ``openai`` client.
+
+A one-engine pool of the tiny model (its chat template writes Qwen2.5's tool turns) is deployed with
+``policy.generation.vllm_cfg.expose_http_server`` and the hermes tool parser. The client, unchanged, lists the
+model, chats (``n``, ``temperature`` / ``top_p``, ``stop``, ``max_tokens``, log-probs), streams, and calls a
+named tool; every answer says the policy version that served it. Malformed requests (the ingress's checks and
+vLLM's) and a wrong key get OpenAI-shaped errors, which the client raises as its usual exceptions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import httpx
+import openai
+import pytest
+from test_pool_and_loops import tiny_recipe
+
+from services.pool.openai_api import serving_key
+
+POOL_NAME = "inflight-openai-pool"
+TOKEN = "openai-admin-token"
+CHAT = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"
+OVERRIDES = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.num_engines=1", "rollout_pool.route_prefix=/openai-pool",
+             "policy.generation.vllm_cfg.expose_http_server=true", f"{CHAT}.enable_auto_tools=true",
+             f"{CHAT}.tool_parser=hermes",
+             "policy.max_total_sequence_length=1024")  # the tools turn of the tiny tokenizer is ~300 tokens
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory):
+    """A deployed one-engine pool serving OpenAI requests; yields (recipe, base URL, client)."""
+    from services import pool as pool_api
+    from services.app import deploy_pool
+
+    os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
+    recipe = tiny_recipe(*OVERRIDES)
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("openai-pool"))
+    assert deployed.status.ready, deployed
+    client = openai.OpenAI(base_url=f"{deployed.http}/v1", api_key=serving_key(TOKEN), timeout=120, max_retries=0)
+    yield recipe, deployed.http, client
+    pool_api.shutdown(POOL_NAME)
+
+
+def test_models_and_chat(served):
+    recipe, _, client = served
+    (model,) = client.models.list().data
+    assert model.id == recipe.policy.model_name and model.model_extra["policy_version"] == 0
+    raw = client.chat.completions.with_raw_response.create(
+        model=model.id, messages=MESSAGES, n=2, max_tokens=6, temperature=0.8, top_p=0.9, stop=["\n\n"],
+        logprobs=True, top_logprobs=2)
+    assert raw.headers["x-inflight-policy-version"] == "0" and raw.headers["x-inflight-engine"].endswith("-0")
+    completion = raw.parse()
+    assert [c.index for c in completion.choices] == [0, 1]
+    versions = completion.model_extra["policy_versions"]
+    assert len(versions) == 2
+    for choice, spans in zip(completion.choices, versions, strict=True):
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+        tokens = choice.logprobs.content
+        assert 1 <= len(tokens) <= 6 and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+        assert spans == [{"version": 0, "start": 0, "end": len(tokens)}]  # every token sampled by version 0
+    assert completion.usage.completion_tokens == sum(len(c.logprobs.content) for c in completion.choices)
+
+
+def test_streaming(served):
+    recipe, _, client = served
+    stream = client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, n=2, max_tokens=5,
+                                            stream=True, stream_options={"include_usage": True}, logprobs=True)
+    text, finished, usage, tokens = {0: "", 1: ""}, {}, None, {0: 0, 1: 0}
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+            tokens[c.index] += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert set(finished) == {0, 1} and usage is not None
+    assert usage.completion_tokens == tokens[0] + tokens[1] and 2 <= usage.completion_tokens <= 10
+
+
+def test_named_tool_call(served):
+    recipe, _, client = served
+    completion = client.chat.completions.create(
+        model=recipe.policy.model_name, max_tokens=64, temperature=0.0, tools=[WEATHER],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = completion.choices[0].message
+    if message.tool_calls:  # the JSON was finished within max_tokens: parsed by the hermes parser
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris",
+                                                                                                         "Oslo")
+    else:  # the random model pads the constrained JSON with whitespace past max_tokens: unparsed, but forced
+        assert completion.choices[0].finish_reason == "length"
+        assert re.match(r'<tool_call>\s*\{"name": "get_weather", "arguments": \{', message.content), message.content
+    auto = client.chat.completions.create(model=recipe.policy.model_name, max_tokens=8, tools=[WEATHER],
+                                          tool_choice="auto", messages=[{"role": "user", "content": "Hi"}])
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")  # the parser read the answer
+
+
+def test_errors_are_openai_shaped(served):
+    recipe, url, client = served
+    model = recipe.policy.model_name
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="messages"):  # the ingress's check
+        client.chat.completions.create(model=model, messages=[])
+    with pytest.raises(openai.BadRequestError, match="n: expected 1..64"):
+        client.chat.completions.create(model=model, messages=MESSAGES, n=1000)
+    with pytest.raises(openai.BadRequestError):  # vLLM's own validation
+        client.chat.completions.create(model=model, messages=MESSAGES, temperature=-1.0, max_tokens=4)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
+    bad = httpx.post(f"{url}/v1/chat/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)  # the admin token works too
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_rollout_session_captures_tokens(served):
+    """Token capture (issue 38, item 2, its core): a session's calls are kept as the sampled token ids, their
+    log-probs and per-token versions, exactly what the answer reported, never re-tokenized."""
+    from services import pool as pool_api
+
+    recipe, _, client = served
+    session = {"x-inflight-session": "episode-7"}
+    answer = client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, n=2, max_tokens=6,
+                                            logprobs=True, extra_headers=session)
+    streamed = client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, max_tokens=5,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_headers=session)
+    usage = [c.usage for c in streamed if c.usage][-1]
+    plain = client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, max_tokens=3)
+    handle = pool_api.connect(POOL_NAME)
+    first, second = handle.take_session.remote("episode-7").result(timeout_s=30)
+    assert handle.take_session.remote("episode-7").result(timeout_s=30) == []  # taken once
+    assert plain.choices and first.prompt_token_ids == second.prompt_token_ids != []
+    for choice, captured in zip(answer.choices, first.in_order(), strict=True):
+        assert captured.logprobs == [t.logprob for t in choice.logprobs.content]
+        assert len(captured.token_ids) == len(captured.logprobs) and captured.versions() == [0] * len(captured.logprobs)
+    (only,) = second.in_order()  # the streamed call: the caller asked no log-probs, the capture has them
+    assert len(only.token_ids) == len(only.logprobs) == usage.completion_tokens
+    assert all(lp <= 0 for lp in only.logprobs) and only.versions() == [0] * usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="x-inflight-session"):
+        client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, max_tokens=3,
+                                       extra_headers={"x-inflight-session": "no spaces"})

@@ -1,0 +1,102 @@
+"""The pool's OpenAI-compatible ingress checks (services/pool/openai_api.py): keys, bodies, error shapes; and the
+recipe keys that turn the endpoint on (``policy.generation.vllm_cfg``)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from rollout.config import ServingChatKwargs, VllmConfig
+from services.pool.openai_api import (
+    ChatBody,
+    ChatLimits,
+    OpenAIError,
+    check_chat_body,
+    check_key,
+    check_session,
+    model_list,
+    serving_key,
+)
+
+LIMITS = ChatLimits(max_model_len=1024)
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode()
+
+
+def refusal(raw: bytes, limits: ChatLimits = LIMITS) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
+        check_chat_body(raw, limits)
+    return err.value
+
+
+def test_a_good_body():
+    assert check_chat_body(body(), LIMITS) == ChatBody(stream=False, n=1)
+    assert check_chat_body(body(stream=True, n=3, max_tokens=1024, tools=[]), LIMITS) == ChatBody(True, 3)
+
+
+@pytest.mark.parametrize(("raw", "status", "param", "words"), [
+    (b"{not json", 400, None, "not JSON"),
+    (b"\xff\xfe", 400, None, "not JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    (json.dumps({"messages": MESSAGES}).encode(), 400, "model", "model: required"),
+    (json.dumps({"model": "m"}).encode(), 400, "messages", "non-empty list"),
+    (body(messages=[]), 400, "messages", "non-empty list"),
+    (body(messages=["hi"]), 400, "messages", "message objects"),
+    (body(stream="yes"), 400, "stream", "boolean"),
+    (body(n=0), 400, "n", "1..64"),
+    (body(n=65), 400, "n", "1..64"),
+    (body(n=True), 400, "n", "integer"),
+    (body(n=2.0), 400, "n", "integer"),
+    (body(max_tokens=1025), 400, "max_tokens", "1..1024"),
+    (body(max_completion_tokens=0), 400, "max_completion_tokens", "1..1024"),
+])
+def test_refusals_name_the_field(raw, status, param, words):
+    err = refusal(raw)
+    assert (err.status, err.param) == (status, param) and words in err.message
+    assert err.body() == {"error": {"message": err.message, "type": "BadRequestError", "param": param,
+                                    "code": status}}
+
+
+def test_a_body_over_the_bound():
+    err = refusal(body(), ChatLimits(max_model_len=1024, max_body_bytes=10))
+    assert err.status == 413 and "at most 10" in err.message
+
+
+def test_keys():
+    key = serving_key("admin")
+    assert key != "admin" and len(key) == 64 and key == serving_key("admin") != serving_key("other")
+    for good in (f"Bearer {key}", f"bearer {key}", "Bearer admin"):
+        check_key(good, "admin")
+    for bad in (None, "", key, f"Basic {key}", "Bearer ", f"Bearer {serving_key('other')}", "Bearer adm"):
+        with pytest.raises(OpenAIError) as err:
+            check_key(bad, "admin")
+        assert err.value.status == 401 and err.value.body()["error"]["type"] == "AuthenticationError"
+
+
+def test_model_list():
+    out = model_list("tiny://qwen2", 1024, 7, 100)
+    assert out["object"] == "list" and [m["id"] for m in out["data"]] == ["tiny://qwen2"]
+    assert out["data"][0]["policy_version"] == 7 and out["data"][0]["max_model_len"] == 1024
+
+
+def test_recipe_keys():
+    cfg = VllmConfig.model_validate({"expose_http_server": True, "http_server_serving_chat_kwargs": {
+        "enable_auto_tools": True, "tool_parser": "hermes", "reasoning_parser": "qwen3"}})
+    assert cfg.expose_http_server and cfg.http_server_serving_chat_kwargs.tool_parser == "hermes"
+    assert not VllmConfig().expose_http_server and VllmConfig().http_server_serving_chat_kwargs == ServingChatKwargs()
+    with pytest.raises(ValidationError, match="enable_auto_tools needs tool_parser"):
+        ServingChatKwargs(enable_auto_tools=True)
+    with pytest.raises(ValidationError):
+        ServingChatKwargs(tool_parser="no spaces or ; allowed")
+
+
+def test_session_ids():
+    assert check_session(None) is None and check_session("run-3:episode_17.a") == "run-3:episode_17.a"
+    for bad in ("", "has space", "x" * 129, "semi;colon", "é"):
+        with pytest.raises(OpenAIError) as err:
+            check_session(bad)
+        assert err.value.status == 400 and err.value.param == "x-inflight-session"
