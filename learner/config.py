@@ -241,27 +241,48 @@ class RewardShapingConfig(ConfigModel):
         return self
 
 
-class TrainStepConfig(ConfigModel):
-    """The GRPO options one :meth:`learner.trainer.Learner.train_step` applies (``grpo.*``,
-    ``policy.train_global_batch_size``)."""
+class GrpoStepKeys(ConfigModel):
+    """The ``grpo.*`` keys a training step applies, declared here once: the recipe's ``grpo`` section
+    (``services.recipe.grpo.GrpoConfig``) inherits them and hands them to the learner whole
+    (:meth:`TrainStepConfig.of`)."""
+
+    use_leave_one_out_baseline: bool = False
+    """Baseline of a sample = mean reward of the other samples of its group (RLOO) instead of the group mean."""
+    overlong_filtering: bool = False
+    """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
+    out of the loss."""
+    seq_logprob_error_threshold: float | None = Field(default=None, ge=1.0)
+    """NeMo-RL's sequence-level log-prob error masking: a sample whose mean exp(|log pi_prev - log pi_gen|) over its
+    trained tokens exceeds it keeps its place in its group's baseline but is masked out of the loss and N, counted
+    as ``seq_masked_logprob_error`` (NeMo-RL's Nemotron recipes: 2). None: off."""
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    """Linear map of the rewards with clamping (DAPO: {0, 1} -> {-1, 1}), before shaping and advantages."""
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    """DAPO's overlong penalty (or a factor for truncated answers), after scaling, before advantages."""
+
+
+class PolicyStepKeys(ConfigModel):
+    """The ``policy.*`` keys a training step applies, declared here once: the recipe's ``policy`` section
+    (``services.recipe.config.PolicyConfig``) inherits them."""
 
     train_global_batch_size: int | None = Field(default=None, ge=1)
-    """Samples per optimizer step; the rollout batch (every trajectory, failed ones included) must be a
-    multiple of it. None: the whole batch is one optimizer step."""
-    use_leave_one_out_baseline: bool = False
-    """A sample's baseline is the mean reward of the other valid samples of its group (RLOO)."""
-    overlong_filtering: bool = False
-    """Samples with ``finish_reason == "length"`` keep their reward in the group's baseline but contribute
-    no token to the loss."""
-    seq_logprob_error_threshold: float | None = Field(default=None, ge=1.0)
-    """NeMo-RL's sequence-level log-prob error masking: a sequence whose mean exp(|log pi_prev - log pi_gen|)
-    over its trained tokens (``token_mult_prob_error`` per sequence) exceeds it keeps its reward in the group's
-    baseline but contributes no token to the loss or N (NeMo-RL's Nemotron recipes: 2). None: off."""
-    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    """``grpo.reward_scaling``."""
-    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    """``grpo.reward_shaping``."""
+    """Samples per optimizer step; the rollout batch (``grpo.num_prompts_per_step x num_generations_per_prompt``)
+    must be a multiple of it. None: the whole rollout batch is one optimizer step."""
+
+
+class TrainStepConfig(GrpoStepKeys, PolicyStepKeys):
+    """The options one :meth:`learner.trainer.Learner.train_step` applies: the ``grpo.*`` and ``policy.*`` keys of
+    its bases, and the distribution the engine sampled from."""
+
     sampling: SamplingDist = Field(default_factory=SamplingDist)
     """``policy.generation.temperature``, ``top_k``, ``top_p``: the distribution the engine sampled from, under
     which π_prev, π_θ and π_ref of the training step are scored (as NeMo-RL's learner does); the parity probe
     compares the plain softmax."""
+
+    @classmethod
+    def of(cls, grpo: GrpoStepKeys, policy: PolicyStepKeys, sampling: SamplingDist) -> TrainStepConfig:
+        """Every key of ``grpo`` and ``policy`` that a step applies (each section may be the recipe's larger one,
+        which inherits these keys), with ``sampling``."""
+        taken = {name: getattr(grpo, name) for name in GrpoStepKeys.model_fields}
+        taken.update({name: getattr(policy, name) for name in PolicyStepKeys.model_fields})
+        return cls(**taken, sampling=sampling)

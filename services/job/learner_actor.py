@@ -49,8 +49,7 @@ class LearnerSpec:
     normalize_rewards: bool
     seed: int
     step_config: TrainStepConfig
-    """``policy.train_global_batch_size``, ``grpo.use_leave_one_out_baseline``, ``grpo.overlong_filtering``,
-    ``grpo.reward_scaling``, ``grpo.reward_shaping``, ``grpo.seq_logprob_error_threshold``,
+    """The ``grpo.*`` and ``policy.*`` keys a step applies (:class:`learner.config.TrainStepConfig`) and
     ``policy.generation``'s temperature / top_k / top_p."""
     freeze_vision_tower: bool = True
     """``policy.freeze_vision_tower`` (vision-language models)."""
@@ -58,12 +57,8 @@ class LearnerSpec:
     @classmethod
     def of(cls, recipe: Recipe, model: ModelFiles | str) -> LearnerSpec:
         p, g = recipe.policy, recipe.grpo
-        step = TrainStepConfig(train_global_batch_size=p.train_global_batch_size,
-                               use_leave_one_out_baseline=g.use_leave_one_out_baseline,
-                               overlong_filtering=g.overlong_filtering, reward_scaling=g.reward_scaling,
-                               reward_shaping=g.reward_shaping,
-                               seq_logprob_error_threshold=g.seq_logprob_error_threshold,
-                               sampling=SamplingDist(p.generation.temperature, p.generation.top_k, p.generation.top_p))
+        step = TrainStepConfig.of(g, p, SamplingDist(p.generation.temperature, p.generation.top_k,
+                                                   p.generation.top_p))
         return cls(model, p.megatron_cfg, recipe.loss_fn, p.sequence_packing, p.max_total_sequence_length,
                    g.normalize_rewards, g.seed, step, p.freeze_vision_tower)
 

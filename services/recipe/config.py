@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from learner.config import LossConfig, MegatronConfig, SequencePackingConfig
+from learner.config import LossConfig, MegatronConfig, PolicyStepKeys, SequencePackingConfig
 from protocol.config_base import ConfigModel
 from rollout.config import GenerationConfig
 from services.recipe.checkpointing import CheckpointingConfig
@@ -64,8 +64,9 @@ class TokenizerConfig(ConfigModel):
         return self
 
 
-class PolicyConfig(ConfigModel):
-    """``policy``: the model, its learner and its generation."""
+class PolicyConfig(PolicyStepKeys):
+    """``policy``: the model, its learner and its generation (``train_global_batch_size`` is inherited from
+    :class:`learner.config.PolicyStepKeys`)."""
 
     model_name: str = "tiny://qwen2"
     """HF model directory, or ``tiny://ARCH[?seed=N&size=S&tie=1]`` to build a random tiny model locally (ARCH:
@@ -81,9 +82,6 @@ class PolicyConfig(ConfigModel):
     """Keep a vision-language model's vision tower (every ``visual.*`` weight, the patch merger included) fixed:
     no gradient, no optimizer state, eval mode; only the language model trains, as in NeMo-RL's VLM recipes.
     ``false`` trains the tower with the language model. No effect on a text-only model."""
-    train_global_batch_size: int | None = Field(default=None, ge=1)
-    """Samples per optimizer step; the rollout batch (``grpo.num_prompts_per_step x num_generations_per_prompt``)
-    must be a multiple of it. None: the whole rollout batch is one optimizer step."""
     refit_bucket_mb: int = Field(default=512, ge=1, le=65536)
     """Size of one weight bucket pushed to the engines, in MiB."""
     refit_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from learner.config import RewardScalingConfig, RewardShapingConfig
+from learner.config import GrpoStepKeys
 from protocol.config_base import ConfigModel
 
 
@@ -24,8 +24,9 @@ class AsyncGrpoConfig(ConfigModel):
     """After an in-flight update, recompute the KV cache of running requests with the new weights."""
 
 
-class GrpoConfig(ConfigModel):
-    """``grpo``: the algorithm's sizes and schedule."""
+class GrpoConfig(GrpoStepKeys):
+    """``grpo``: the algorithm's sizes and schedule; the keys a training step applies (baselines, filtering,
+    sequence masking, reward scaling and shaping) are inherited from :class:`learner.config.GrpoStepKeys`."""
 
     num_prompts_per_step: int = Field(default=64, ge=1, le=65536)
     """Prompts (groups) trained per step."""
@@ -44,8 +45,6 @@ class GrpoConfig(ConfigModel):
     max_num_epochs: int | None = Field(default=None, ge=1)
     """Passes over the training rows; the run ends at ``max_num_steps`` or after this many epochs, whichever is
     first. None: as many as ``max_num_steps`` needs."""
-    use_leave_one_out_baseline: bool = False
-    """Baseline of a sample = mean reward of the other samples of its group (RLOO) instead of the group mean."""
     use_dynamic_sampling: bool = False
     """DAPO dynamic sampling: a group whose rewards are all equal (zero advantage) is dropped and its prompt
     replaced by a fresh one until the step has ``num_prompts_per_step`` groups with signal."""
@@ -55,17 +54,6 @@ class GrpoConfig(ConfigModel):
     max_rollout_turns: int = Field(default=1, ge=1, le=64)
     """Sampled turns per episode of a multi-turn environment (``env.<name>.environment``); an episode the
     environment has not ended by then is truncated (``env.<name>.truncated_reward``). 1: single-turn."""
-    overlong_filtering: bool = False
-    """Truncated samples (``finish_reason == "length"``) keep their place in their group's baseline but are masked
-    out of the loss."""
-    seq_logprob_error_threshold: float | None = Field(default=None, ge=1.0)
-    """NeMo-RL's sequence-level log-prob error masking: a sample whose mean exp(|log pi_prev - log pi_gen|) over its
-    trained tokens exceeds it keeps its place in its group's baseline but is masked out of the loss and N, counted
-    as ``seq_masked_logprob_error`` (NeMo-RL's Nemotron recipes: 2). None: off."""
-    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    """Linear map of the rewards with clamping (DAPO: {0, 1} -> {-1, 1}), before shaping and advantages."""
-    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    """DAPO's overlong penalty (or a factor for truncated answers), after scaling, before advantages."""
     val_period: int = Field(default=0, ge=0)
     """Validate every N steps (0: never)."""
     val_at_start: bool = False
