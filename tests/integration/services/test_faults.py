@@ -431,16 +431,19 @@ class EngineKiller(threading.Thread):
         while len(rows(self.run_dir)) < self.after_step:
             assert time.monotonic() < deadline, "no step was written"
             time.sleep(0.2)
+        # Everything the kill needs is read first: on an idle machine a tiny batch finishes within the time of a
+        # Serve call or a process scan, so the kill follows the sight of requests in vLLM with nothing between.
+        self.steps_at_kill = len(rows(self.run_dir))
+        self.version_at_kill = _status(self.handle)["version"]
+        health = ray.get(actor.health.remote(), timeout=30)
+        self.killed_pid = health["pid"] if self.target == "actor" else _engine_core_of(health["pid"])
         while True:  # a batch whose requests are in vLLM now (a batch may linger after its last group is sent)
-            health = ray.get(actor.health.remote(), timeout=30)
-            if health["running_batches"] and ray.get(actor.stats.remote(), timeout=30)["requests_running"]:
+            if (ray.get(actor.health.remote(), timeout=30)["running_batches"]
+                    and ray.get(actor.stats.remote(), timeout=30)["requests_running"]):
+                os.kill(self.killed_pid, signal.SIGKILL)
                 break
             assert time.monotonic() < deadline, "the engine never had a batch in flight"
             time.sleep(0.05)
-        self.steps_at_kill = len(rows(self.run_dir))
-        self.version_at_kill = _status(self.handle)["version"]
-        self.killed_pid = health["pid"] if self.target == "actor" else _engine_core_of(health["pid"])
-        os.kill(self.killed_pid, signal.SIGKILL)
         self.times["kill"], self.kill_wall = time.monotonic(), time.time()
         self.old_pid, self.old_incarnation = health["pid"], health.get("incarnation")
         while "ready" not in self.times or "step" not in self.times:
