@@ -30,6 +30,7 @@ from ray import serve
 
 from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
 from services.pool.dispatch import Dispatcher
+from services.pool.env_server import REPLICA_STOP_POLL_S
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
 from services.pool.metrics import PoolMetrics
 from services.pool.openai_api import (
@@ -67,7 +68,8 @@ class ScaleRequest(BaseModel):
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
-                  health_check_period_s=10, health_check_timeout_s=60)
+                  health_check_period_s=10, health_check_timeout_s=60,
+                  graceful_shutdown_wait_loop_s=REPLICA_STOP_POLL_S)
 @serve.ingress(app)
 class RolloutPool:
     def __init__(self, recipe_json: str, model_path: Any, admin_token: str):

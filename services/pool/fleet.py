@@ -360,11 +360,10 @@ class Fleet:
     async def shutdown(self) -> None:
         import ray
 
-        for eng in self.handles.values():
-            try:
-                await asyncio.wait_for(eng.shutdown.remote(), 60)
-            except Exception:  # noqa: BLE001 - killed below anyway
-                pass
+        engines = list(self.handles.values())  # all at once: each vLLM engine takes seconds to stop
+        await asyncio.gather(*(asyncio.wait_for(eng.shutdown.remote(), 60) for eng in engines),
+                             return_exceptions=True)  # an engine that fails to stop is killed below anyway
+        for eng in engines:
             ray.kill(eng, no_restart=True)
         self.handles.clear()
         if self.colocation is not None:
