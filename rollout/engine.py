@@ -193,10 +193,11 @@ class RolloutEngine:
     def stats(self) -> dict:
         """Counters: groups, samples, tokens, running requests, retries, aborts, episodes (turns, environment
         tokens, failures, truncations, time awaiting the environment), installs and their cost, and vLLM's
-        preemptions / re-prefilled tokens (:mod:`rollout.kv_stats`)."""
+        preemptions / re-prefilled tokens / sampled tokens and unfinished requests (:mod:`rollout.kv_stats`)."""
         out: dict[str, Any] = {**vars(self.sampler.stats), **self.installer.stats.as_dict()}
         out.update(sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, version=self.version,
-                   engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats())
+                   engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats(),
+                   vllm_unfinished_requests=self._llm.get_num_unfinished_requests() if self._llm is not None else 0)
         if (env := self.sampler.environment) is not None:
             out["env"] = self._env_stats(env)
         return out

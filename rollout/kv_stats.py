@@ -1,4 +1,4 @@
-"""vLLM's own count of KV-cache recomputation, read in-process through a custom stat logger.
+"""vLLM's own counts of KV-cache recomputation and of tokens sampled, read in-process through a custom stat logger.
 
 A running request whose KV cache is dropped (an install with
 ``recompute_kv_cache_after_weight_updates``, or a full KV cache) is preempted
@@ -23,6 +23,9 @@ class KvCounters:
     """Tokens (prompt + sampled so far) of preempted requests when they were scheduled again."""
     kv_reprefill_cached_tokens: int = 0
     """Of those, tokens found in the prefix cache (not computed again)."""
+    vllm_generated_tokens: int = 0
+    """Tokens vLLM sampled for every request it ran (training groups, evaluation, OpenAI chat requests), as its
+    scheduler counted them: a request aborted early stops adding to it."""
 
     def as_stats(self) -> dict[str, int]:
         """The counters as ``RolloutEngine.stats()`` entries."""
@@ -32,6 +35,7 @@ class KvCounters:
         """Add one engine step's ``SchedulerStats`` / ``IterationStats`` (either may be None)."""
         if iteration_stats is not None:
             self.kv_preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+            self.vllm_generated_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
         prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
         if prefix is not None:
             self.kv_reprefill_tokens += int(getattr(prefix, "preempted_queries", 0))

@@ -36,6 +36,8 @@ from services.pool.metrics import PoolMetrics
 from services.pool.openai_api import (
     SESSION_HEADER,
     ChatLimits,
+    ChatOutcome,
+    ChatPlaces,
     OpenAIError,
     check_chat_body,
     check_key,
@@ -92,7 +94,8 @@ class RolloutPool:
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
         self._next_chat_engine = 0
-        self._chats = asyncio.Semaphore(self.recipe.policy.generation.vllm_cfg.max_num_seqs)
+        self._chats = ChatPlaces(self.recipe.policy.generation.vllm_cfg.max_num_seqs, self.metrics.openai_running,
+                                 self.metrics.openai_requests)
         """Chat requests admitted at once (more are refused with 429): one engine's ``max_num_seqs``."""
 
     def _ensure_started(self) -> None:
@@ -320,36 +323,59 @@ class RolloutPool:
             session = check_session(request.headers.get(SESSION_HEADER))
             body = await request.body()
             check_chat_body(body, ChatLimits(self.recipe.policy.max_total_sequence_length))
-            if self._chats.locked():
-                raise OpenAIError(429, "too many chat requests at once; retry later", "RateLimitError")
+            self._chats.refuse_if_full()
             engines = self.fleet.serving()
             if not engines:
                 raise OpenAIError(503, f"pool {self.name!r}: no engine serving version {self.fleet.version}",
                                   "ServiceUnavailableError")
             eid = engines[self._next_chat_engine % len(engines)]
             self._next_chat_engine += 1
-            await self._chats.acquire()
+            await self._chats.take()
         except OpenAIError as err:
             return JSONResponse(err.body(), status_code=err.status)
         timeout_s = self.recipe.policy.generation.request_timeout_s
+        chunks = None
         try:
             chunks = self.fleet.handles[eid].chat_completion.options(num_returns="streaming").remote(body, session)
             head = await asyncio.wait_for(await chunks.__anext__(), timeout_s)
             headers = {"x-inflight-policy-version": str(head.version), "x-inflight-engine": eid}
             if not head.stream:
                 answer = await asyncio.wait_for(await chunks.__anext__(), timeout_s)
-                self._chats.release()
+                self._chats.give_back("ok")
                 return Response(answer, status_code=head.status, media_type="application/json", headers=headers)
+        except asyncio.CancelledError:  # the caller hung up (Serve cancels the handler): stop the engine's request
+            self._hang_up(chunks, "hung_up")
+            raise
         except Exception as exc:  # noqa: BLE001 - the engine failed or timed out: a 503 in OpenAI's shape
-            self._chats.release()
+            self._hang_up(chunks, "engine_error")
             err = OpenAIError(503, f"engine {eid}: {type(exc).__name__}: {exc}"[:1000], "ServiceUnavailableError")
             return JSONResponse(err.body(), status_code=err.status)
 
         async def relay():
+            finished = False
             try:
                 async for ref in chunks:
                     yield await ref
-            finally:
-                self._chats.release()
+                finished = True
+            finally:  # a stream the caller left before its end is stopped in the engine too
+                if finished:
+                    self._chats.give_back("ok")
+                else:
+                    self._hang_up(chunks, "hung_up")
 
         return StreamingResponse(relay(), status_code=head.status, media_type="text/event-stream", headers=headers)
+
+    def _hang_up(self, chunks: Any, outcome: ChatOutcome) -> None:
+        """Give a chat request's place back and cancel its engine call (None: it was never made): the engine's
+        generator is cancelled inside the actor, and vLLM aborts the request when its output stream is closed
+        (``AsyncLLM.generate``)."""
+        import ray
+
+        self._chats.give_back(outcome)
+        if chunks is None:
+            return
+        try:
+            ray.cancel(chunks)
+        except Exception:  # a call that already ended has nothing to cancel
+            logging.getLogger("inflight.pool").debug("cancelling a finished chat call", exc_info=True)
+

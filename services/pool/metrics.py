@@ -130,6 +130,10 @@ class PoolMetrics:
                                         registry=r)
         self.mismatch_hist = Gauge("inflight_logprob_mismatch_hist", "Sequences of the last step by mean |log-prob "
                                    "difference|, per bucket (le: its upper bound; not cumulative)", ["le"], registry=r)
+        self.openai_running = Gauge("inflight_openai_requests_running", "OpenAI chat requests being answered now "
+                                    "(each holds one of vllm_cfg.max_num_seqs places)", registry=r)
+        self.openai_requests = Counter("inflight_openai_requests", "OpenAI chat requests by how they ended (ok, "
+                                       "engine_error, hung_up: the caller left first)", ["outcome"], registry=r)
         self.env_counters = {key: Counter(name, doc, ["env"], registry=r) for key, (name, doc) in ENV_COUNTERS.items()}
         self.env_calls = Counter("inflight_env_calls", "Calls to an environment server by outcome (ok, timeout, "
                                  "http_5xx, http_4xx, malformed, connection)", ["env", "outcome"], registry=r)

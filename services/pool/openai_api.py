@@ -12,12 +12,13 @@ the admin token cannot be recovered from it (docs/security.md).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest ``/v1/chat/completions`` body (a long multi-turn conversation with tools fits many times over)."""
@@ -124,3 +125,33 @@ def model_list(model: str, max_model_len: int, version: int, created: int) -> di
     """``GET /v1/models``: the one model the pool serves, with the policy version it serves now."""
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "inflight",
                                         "root": model, "max_model_len": max_model_len, "policy_version": version}]}
+
+
+ChatOutcome = Literal["ok", "engine_error", "hung_up"]
+"""How a chat request ended: answered (an error vLLM wrote in OpenAI's shape included), the engine failed or timed
+out (a 503), or the caller left before the answer's end."""
+
+
+class ChatPlaces:
+    """The pool's places for chat requests at once (``vllm_cfg.max_num_seqs``); every taken place is given back
+    with its outcome, which a gauge of places in use and a counter by outcome show (``/metrics``)."""
+
+    def __init__(self, size: int, in_use: Any, answered: Any):
+        self._free = asyncio.Semaphore(size)
+        self.in_use = in_use
+        """``inflight_openai_requests_running``, a Prometheus gauge."""
+        self.answered = answered
+        """``inflight_openai_requests{outcome}``, a Prometheus counter."""
+
+    def refuse_if_full(self) -> None:
+        if self._free.locked():
+            raise OpenAIError(429, "too many chat requests at once; retry later", "RateLimitError")
+
+    async def take(self) -> None:
+        await self._free.acquire()
+        self.in_use.inc()
+
+    def give_back(self, outcome: ChatOutcome) -> None:
+        self._free.release()
+        self.in_use.dec()
+        self.answered.labels(outcome).inc()

@@ -15,7 +15,7 @@ import re
 import httpx
 import openai
 import pytest
-from test_pool_and_loops import tiny_recipe
+from test_pool_and_loops import scrape, tiny_recipe
 
 from services.pool.openai_api import serving_key
 
@@ -148,3 +148,54 @@ def test_rollout_session_captures_tokens(served):
     with pytest.raises(openai.BadRequestError, match="x-inflight-session"):
         client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, max_tokens=3,
                                        extra_headers={"x-inflight-session": "no spaces"})
+
+
+HANG_UP_N, HANG_UP_TOKENS = 16, 900
+"""A request its caller leaves: n answers of max_tokens each, ``ignore_eos``, so that vLLM would sample exactly
+n x max_tokens tokens (seconds on 2 cores) unless it aborts the request."""
+
+
+def test_a_caller_that_hangs_up_stops_its_request_and_gives_its_place_back(served):
+    """A caller that leaves (a read timeout on a plain answer; a stream closed after its first chunk) has its request
+    aborted in vLLM: the engine has no request left unfinished and sampled fewer than n x max_tokens tokens for it.
+    Its place among the pool's vllm_cfg.max_num_seqs is given back, counted as hung up (a plain answer's place
+    was never given back before: after max_num_seqs hang-ups every request got a 429)."""
+    import time
+
+    import ray
+
+    recipe, url, client = served
+    model = recipe.policy.model_name
+    eid = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES,
+                                                           max_tokens=1).headers["x-inflight-engine"]
+    engine = ray.get_actor(eid, namespace="inflight")
+    body = {"model": model, "messages": MESSAGES, "n": HANG_UP_N, "max_tokens": HANG_UP_TOKENS, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {serving_key(TOKEN)}"}
+    hung_up_before = _openai_requests(url).get("hung_up", 0.0)
+    for stream in (False, True):
+        before = ray.get(engine.stats.remote(), timeout=30)["vllm_generated_tokens"]
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers,
+                              timeout=60) as answer:
+                assert answer.status_code == 200
+                next(answer.iter_lines())  # the first chunk; leaving the block hangs up
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers,
+                           timeout=httpx.Timeout(60, read=1.0))
+        deadline = time.monotonic() + 60
+        while (stats := ray.get(engine.stats.remote(), timeout=30))["vllm_unfinished_requests"]:
+            assert time.monotonic() < deadline, f"stream={stream}: the engine still runs the request: {stats}"
+            time.sleep(0.2)
+        sampled = stats["vllm_generated_tokens"] - before
+        assert 0 < sampled < HANG_UP_N * HANG_UP_TOKENS, (stream, sampled)
+    after = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
+    assert after.choices[0].finish_reason in ("stop", "length")
+    assert _openai_requests(url)["hung_up"] - hung_up_before == 2
+    (running,) = scrape(url)["inflight_openai_requests_running"]
+    assert running.value == 0, "a place is still held by a request whose caller left"
+
+
+def _openai_requests(url: str) -> dict[str, float]:
+    """``inflight_openai_requests_total`` by outcome."""
+    return {s.labels["outcome"]: s.value for s in scrape(url)["inflight_openai_requests"] if s.name.endswith("_total")}

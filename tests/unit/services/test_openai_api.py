@@ -100,3 +100,33 @@ def test_session_ids():
         with pytest.raises(OpenAIError) as err:
             check_session(bad)
         assert err.value.status == 400 and err.value.param == "x-inflight-session"
+
+
+def test_chat_places_refuse_when_full_and_count_every_place_given_back():
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from services.pool.openai_api import ChatPlaces
+
+    registry = CollectorRegistry()
+    places = ChatPlaces(2, Gauge("running", "", registry=registry), Counter("answered", "", ["outcome"],
+                                                                             registry=registry))
+
+    async def scenario() -> None:
+        await places.take()
+        await places.take()
+        with pytest.raises(OpenAIError) as full:
+            places.refuse_if_full()
+        assert full.value.status == 429 and full.value.type == "RateLimitError"
+        assert registry.get_sample_value("running") == 2
+        places.give_back("hung_up")
+        places.refuse_if_full()  # a place is free again
+        places.give_back("ok")
+        await places.take()
+        places.give_back("engine_error")
+
+    asyncio.run(scenario())
+    assert registry.get_sample_value("running") == 0
+    assert {o: registry.get_sample_value("answered_total", {"outcome": o}) for o in ("ok", "engine_error", "hung_up")} \
+        == {"ok": 1, "engine_error": 1, "hung_up": 1}
