@@ -7,8 +7,9 @@ does; the requests share the engine (and its in-flight weight installs) with the
 
 :meth:`ChatServer.complete` answers one request body as a :class:`ChatHead` followed by the body: one JSON text,
 or the SSE chunks of a stream. Every token's policy version is recorded from the engine's labels
-(``CompletionOutput.weight_versions``) by a thin wrapper of the engine client; a
-non-streamed answer carries them as ``policy_versions`` (per choice, spans of output tokens), and every answer
+(``CompletionOutput.weight_versions``) by a thin wrapper of the engine client; an
+answer carries them as ``policy_versions`` (per choice, spans of output tokens; in a stream, on the chunk where
+the choice finishes), and every answer
 says in its head the version served when it was admitted. The tokens themselves are captured
 (:mod:`services.pool.token_capture`) and kept per rollout session.
 """
@@ -95,9 +96,24 @@ class ChatServer:
         yield ChatHead(200, True, version)
         try:
             async for chunk in result:
-                yield chunk
+                yield self._with_versions(chunk, rid)
         finally:
             self._captured(rid, session)
+
+    def _with_versions(self, chunk: str, rid: str) -> str:
+        """An SSE chunk of ``rid`` in which choices finish, with each one's ``policy_versions`` (the spans of its
+        output tokens, as a plain answer carries them); other chunks as they are."""
+        if not chunk.startswith("data: {"):
+            return chunk  # "data: [DONE]"
+        body = json.loads(chunk[len("data: "):])
+        finishing = [c for c in body.get("choices", ()) if c.get("finish_reason")]
+        if not finishing:
+            return chunk
+        captured = self.client.captured.get(rid)
+        for c in finishing:
+            choice = captured.choices.get(c["index"]) if captured is not None else None
+            c["policy_versions"] = [asdict(s) for s in choice.spans] if choice is not None else []
+        return f"data: {json.dumps(body)}\n\n"
 
     def _captured(self, rid: str, session: str | None) -> list[CapturedChoice]:
         """The choices captured for ``rid``, kept under ``session`` if there is one."""

@@ -72,7 +72,7 @@ def test_streaming(served):
     recipe, _, client = served
     stream = client.chat.completions.create(model=recipe.policy.model_name, messages=MESSAGES, n=2, max_tokens=5,
                                             stream=True, stream_options={"include_usage": True}, logprobs=True)
-    text, finished, usage, tokens = {0: "", 1: ""}, {}, None, {0: 0, 1: 0}
+    text, finished, usage, tokens, versions = {0: "", 1: ""}, {}, None, {0: 0, 1: 0}, {}
     for chunk in stream:
         usage = chunk.usage or usage
         for c in chunk.choices:
@@ -80,8 +80,12 @@ def test_streaming(served):
             tokens[c.index] += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
             if c.finish_reason:
                 finished[c.index] = c.finish_reason
+                versions[c.index] = c.model_extra["policy_versions"]
+            else:
+                assert "policy_versions" not in c.model_extra  # only where the choice finishes
     assert set(finished) == {0, 1} and usage is not None
     assert usage.completion_tokens == tokens[0] + tokens[1] and 2 <= usage.completion_tokens <= 10
+    assert versions == {i: [{"version": 0, "start": 0, "end": tokens[i]}] for i in (0, 1)}
 
 
 def test_named_tool_call(served):
