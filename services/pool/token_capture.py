@@ -37,6 +37,8 @@ class CapturedChoice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[VersionSpan] = field(default_factory=list)
+    finish_reason: str = ""
+    """Why vLLM ended the answer (``stop``, ``length``, ``abort``); "" while it had not ended."""
 
     def versions(self) -> list[int]:
         """The policy version of each token (-1 where the engine gave no span)."""
@@ -95,6 +97,8 @@ def _record(choice: CapturedChoice, out: Any, delta: bool) -> None:
         choice.logprobs.extend(lps)
     else:
         choice.token_ids, choice.logprobs = ids, lps
+    if getattr(out, "finish_reason", None):
+        choice.finish_reason = str(out.finish_reason)
     if getattr(out, "weight_versions", None):
         choice.spans = [VersionSpan(_version(s.version), s.start, s.end) for s in out.weight_versions]
 
