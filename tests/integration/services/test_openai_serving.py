@@ -203,3 +203,34 @@ def test_a_caller_that_hangs_up_stops_its_request_and_gives_its_place_back(serve
 def _openai_requests(url: str) -> dict[str, float]:
     """``inflight_openai_requests_total`` by outcome."""
     return {s.labels["outcome"]: s.value for s in scrape(url)["inflight_openai_requests"] if s.name.endswith("_total")}
+
+
+def test_a_session_becomes_a_trajectory_and_an_edited_history_is_refused(served):
+    """Through the real engine's capture (issue 38, item 2): a one-call session is laid out as its trajectory with
+    the engine's own ids, log-probs and versions; a second call whose history rewrites the first answer is refused
+    at the first token of the rewrite, never re-tokenized."""
+    from services import pool as pool_api
+    from services.pool.session_episode import SessionBroken, session_episode
+
+    recipe, _, client = served
+    handle = pool_api.connect(POOL_NAME)
+    model = recipe.policy.model_name
+    first = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                           extra_headers={"x-inflight-session": "one-call"})
+    (captured,) = handle.take_session.remote("one-call").result(timeout_s=30)
+    episode = session_episode([captured], reward=1.0)
+    t = episode.trajectory
+    assert episode.prompt_ids == captured.prompt_token_ids and t.loss_mask.tolist() == [1] * len(t.response_ids)
+    assert t.logprobs.tolist() == pytest.approx([x.logprob for x in first.choices[0].logprobs.content], abs=1e-6)
+    assert set(t.versions.tolist()) == {0} and t.finish_reason == first.choices[0].finish_reason
+
+    edited = [*MESSAGES, {"role": "assistant", "content": "An answer the model never gave."},
+              {"role": "user", "content": "And then?"}]
+    for messages in (MESSAGES, edited):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=3,
+                                       extra_headers={"x-inflight-session": "edited"})
+    calls = handle.take_session.remote("edited").result(timeout_s=30)
+    with pytest.raises(SessionBroken, match=r"call 1's prompt does not extend the episode so far") as broken:
+        session_episode(calls, reward=1.0)
+    at = int(re.search(r"differs at token (\d+)", str(broken.value)).group(1))
+    assert at >= len(calls[0].prompt_token_ids)  # the shared history matched; the rewritten answer did not
