@@ -324,12 +324,27 @@ def _turns(v: Any, key: str) -> list[dict[str, str]] | None:
                               f"{type(v).__name__ if not isinstance(v, list) else 'an empty list'}")
     out = []
     for j, t in enumerate(v):
+        if isinstance(t, dict) and (audio := _audio_part(t.get("content"))) is not None:
+            raise InvalidRow(key, f"turn {j}: a {audio!r} part: audio inputs are not supported (text turns only; a "
+                                  f"row's images come from data.image_key)")
         if not isinstance(t, dict) or not isinstance(t.get("role"), str) or not isinstance(t.get("content"), str):
             raise InvalidRow(key, f"turn {j}: expected {{role: str, content: str}}, got {t!r:.80}")
         out.append({"role": t["role"], "content": t["content"]})
     if not any(t["content"].strip() for t in out):
         raise InvalidRow(key, "empty prompt (every turn's content is empty)")
     return out
+
+
+AUDIO_PART_TYPES = ("audio", "input_audio", "audio_url")
+"""Content-part types of an audio input (transformers' chat messages, OpenAI's): Nano-Omni's audio tower is not
+supported, so a row that has one is refused by name rather than failing as a malformed turn."""
+
+
+def _audio_part(content: Any) -> str | None:
+    """The type of the first audio part of a turn's ``content`` given as a list of parts, else None."""
+    if not isinstance(content, list):
+        return None
+    return next((p["type"] for p in content if isinstance(p, dict) and p.get("type") in AUDIO_PART_TYPES), None)
 
 
 def _answer(v: Any, key: str) -> str:

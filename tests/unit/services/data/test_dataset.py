@@ -63,6 +63,9 @@ def test_mapping_metadata_conversion_and_bad_rows():
              ({"input": "q", "output": [1]}, "output", "expected a string or number"),
              ({"messages": [], "output": "1"}, "messages", "non-empty list"),
              ({"messages": [{"role": "user"}], "output": "1"}, "messages", "turn 0"),
+             ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+                 {"type": "text", "text": "what is said?"}, {"type": "input_audio", "input_audio": {}}]}],
+               "output": "1"}, "messages", "turn 1: a 'input_audio' part: audio inputs are not supported"),
              ({"input": "q", "output": "1", "meta": "x" * 5000}, "meta", "longer than")]
     for row, key, why in cases:
         with pytest.raises(InvalidRow, match=why) as e:
