@@ -40,8 +40,10 @@ def failed_trajectory(reason: str, kind: str) -> Trajectory:
 
 
 @dataclass
-class _Episode:
-    """One sample's tokens so far; environment positions hold placeholders until :meth:`trajectory`."""
+class EpisodeTokens:
+    """One sample's tokens so far, sampled turns and environment turns end to end; environment positions hold
+    placeholders until :meth:`trajectory`. The engine's episodes and the pool's agent sessions
+    (``services.pool.session_episode``) are laid out by it."""
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -57,11 +59,14 @@ class _Episode:
                  routed_experts: np.ndarray | None = None) -> None:
         self.routed_every_turn &= routed_experts is not None
         self.routed = routed_experts if self.routed_every_turn else None
+        if self.mask and self.mask[-1] == 1:  # no environment tokens since the last turn: one sampled run, one
+            self.turn_reasons[-1] = finish_reason  # reason (the protocol's rule), as the later turn ended
+        else:
+            self.turn_reasons.append(finish_reason)
         self.ids += ids
         self.logprobs += logprobs
         self.versions += [int(v) for v in versions]
         self.mask += [1] * len(ids)
-        self.turn_reasons.append(finish_reason)
 
     def add_environment(self, ids: list[int]) -> None:
         self.ids += ids
@@ -154,7 +159,7 @@ async def _play(group: _Group, prompt: list[int], index: int, state: Any) -> _Ou
     """Sample ``index``'s episode after ``prompt``, from the state its reset gave."""
     sampler, chat, env, request, stats = group.sampler, group.chat, group.env, group.request, group.counters
     max_turns, max_len, max_new = group.limits.max_turns, group.limits.max_model_len, group.limits.max_new_tokens
-    episode = _Episode()
+    episode = EpisodeTokens()
     cut = ""
     for turn in range(1, max_turns + 1):
         budget = min(max_new, max_len - len(prompt) - len(episode.ids))

@@ -3,9 +3,10 @@
 An agent's episode is the calls it made under one ``x-inflight-session`` id (:mod:`services.pool.token_capture`).
 Each later call's prompt must begin with the earlier call's prompt and the tokens that call sampled, exactly: what
 follows them is the environment's turn (tool results, the user's next message, the chat template's turn markers),
-kept as context with loss mask 0, as the engine's own episodes keep it (:mod:`protocol.loss_mask`). An agent that
-edits its history (drops a turn, rewrites an answer, or has its answer rendered back to other tokens) breaks
-that; the episode is then refused with the call and the first position that differ, never re-tokenized.
+kept as context with loss mask 0. The tokens are laid out by the engine's own
+:class:`~rollout.episodes.episode.EpisodeTokens`. An agent that edits its history (drops a turn, rewrites an
+answer, or has its answer rendered back to other tokens) breaks that; the episode is then refused with the call
+and the first position that differ, never re-tokenized.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol import FINISH_REASONS, Trajectory
-from protocol.loss_mask import masked_fill
+from rollout.episodes.episode import EpisodeTokens
 from services.pool.token_capture import CapturedChoice, CapturedCompletion
 
 
@@ -32,7 +33,7 @@ class SessionEpisode:
     calls: int
 
 
-def session_episode(calls: Sequence[CapturedCompletion], reward: float | None,
+def session_episode(calls: Sequence[CapturedCompletion], reward: float,
                     group_prompt: Sequence[int] | None = None) -> SessionEpisode:
     """The trajectory of one episode's ``calls`` (in any order: each call's prompt extends the one before, so they
     are ordered by prompt length), scored ``reward``. With ``group_prompt`` (the group's shared prompt), the first
@@ -47,7 +48,7 @@ def session_episode(calls: Sequence[CapturedCompletion], reward: float | None,
     if first[:len(prompt)] != prompt:
         at = _first_difference(prompt, first)
         raise SessionBroken(f"call 0's prompt does not begin with the group's prompt (they differ at token {at})")
-    ids, lps, vers, mask, reasons = [], [], [], [], []
+    episode = EpisodeTokens()
     seen = list(prompt)  # every token of the episode so far, the prompt included
     for k, (call, choice) in enumerate(zip(ordered, choices, strict=True)):
         now = list(call.prompt_token_ids)
@@ -58,22 +59,15 @@ def session_episode(calls: Sequence[CapturedCompletion], reward: float | None,
             at = _first_difference(seen, now)
             raise SessionBroken(f"call {k}'s prompt does not extend the episode so far: it differs at token {at} of "
                                 f"{len(seen)} (an edited history, or an earlier answer rendered back to other tokens)")
-        environment = now[len(seen):]
-        if environment or not reasons:
-            reasons.append(choice.finish_reason)
-        else:  # no environment tokens between two calls: one sampled run, ended as the later call ended
-            reasons[-1] = choice.finish_reason
-        _extend(ids, lps, vers, mask, environment, [0.0] * len(environment), [0] * len(environment), 0)
         versions = choice.versions()
         if min(versions, default=0) < 0 or any(np.isnan(choice.logprobs)):
             raise SessionBroken(f"call {k}'s answer lacks a policy version or a log-prob for some token (the "
                                 f"engine did not label or score it)")
-        _extend(ids, lps, vers, mask, choice.token_ids, choice.logprobs, versions, 1)
+        if now[len(seen):]:
+            episode.add_environment(now[len(seen):])
+        episode.add_turn(list(choice.token_ids), list(choice.logprobs), np.asarray(versions), choice.finish_reason)
         seen = now + list(choice.token_ids)
-    mask_arr = np.asarray(mask, np.uint8)
-    logprobs, versions = masked_fill(mask_arr, np.asarray(lps, np.float32), np.asarray(vers, np.int32))
-    trajectory = Trajectory(np.asarray(ids, np.int32), logprobs, versions, reward, reasons[-1], loss_mask=mask_arr,
-                            turn_finish_reasons=reasons)
+    trajectory = episode.trajectory(reward, choices[-1].finish_reason, {})
     return SessionEpisode(prompt, trajectory, len(ordered))
 
 
@@ -87,14 +81,6 @@ def _only_choice(call: CapturedCompletion, k: int) -> CapturedChoice:
         raise SessionBroken(f"call {k}'s answer ended {choice.finish_reason or 'never'!r} (expected one of "
                             f"{FINISH_REASONS})")
     return choice
-
-
-def _extend(ids: list, lps: list, vers: list, mask: list, new_ids: Sequence[int], new_lps: Sequence[float],
-            new_vers: Sequence[int], sampled: int) -> None:
-    ids += new_ids
-    lps += new_lps
-    vers += new_vers
-    mask += [sampled] * len(new_ids)
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
