@@ -352,16 +352,19 @@ class RolloutPool:
             return JSONResponse(err.body(), status_code=err.status)
 
         async def relay():
-            finished = False
+            outcome: ChatOutcome = "hung_up"  # unless the stream ends or fails: the caller left before its end
             try:
                 async for ref in chunks:
                     yield await ref
-                finished = True
-            finally:  # a stream the caller left before its end is stopped in the engine too
-                if finished:
-                    self._chats.give_back("ok")
-                else:
-                    self._hang_up(chunks, "hung_up")
+                outcome = "ok"
+            except Exception:
+                outcome = "engine_error"
+                raise
+            finally:
+                if outcome == "ok":
+                    self._chats.give_back(outcome)
+                else:  # stopped in the engine too
+                    self._hang_up(chunks, outcome)
 
         return StreamingResponse(relay(), status_code=head.status, media_type="text/event-stream", headers=headers)
 
@@ -378,4 +381,3 @@ class RolloutPool:
             ray.cancel(chunks)
         except Exception:  # a call that already ended has nothing to cancel
             logging.getLogger("inflight.pool").debug("cancelling a finished chat call", exc_info=True)
-

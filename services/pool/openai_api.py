@@ -129,7 +129,7 @@ def model_list(model: str, max_model_len: int, version: int, created: int) -> di
 
 ChatOutcome = Literal["ok", "engine_error", "hung_up"]
 """How a chat request ended: answered (an error vLLM wrote in OpenAI's shape included), the engine failed or timed
-out (a 503), or the caller left before the answer's end."""
+out (a 503, or a stream cut short), or the caller left before the answer's end."""
 
 
 class ChatPlaces:
