@@ -132,6 +132,10 @@ class SessionStore:
             _, gone = self._sessions.popitem(last=False)
             self.dropped += len(gone)
 
+    def peek(self, session: str) -> list[CapturedCompletion]:
+        """The session's completions kept so far, in the order they finished (still kept)."""
+        return list(self._sessions.get(session, ()))
+
     def take(self, session: str) -> list[CapturedCompletion]:
         """The session's completions in the order they finished (forgotten here)."""
         return self._sessions.pop(session, [])

@@ -4,7 +4,9 @@ A one-engine pool of the tiny model (its chat template writes Qwen2.5's tool tur
 ``policy.generation.vllm_cfg.expose_http_server`` and the hermes tool parser. The client, unchanged, lists the
 model, chats (``n``, ``temperature`` / ``top_p``, ``stop``, ``max_tokens``, log-probs), streams, and calls a
 named tool; every answer says the policy version that served it. Malformed requests (the ingress's checks and
-vLLM's) and a wrong key get OpenAI-shaped errors, which the client raises as its usual exceptions.
+vLLM's) and a wrong key get OpenAI-shaped errors, which the client raises as its usual exceptions. A rollout
+session's calls become one trajectory: a plain agent loop's answers, which the template renders back to other
+ids, are spliced back as sampled; an edited answer is refused.
 """
 from __future__ import annotations
 
@@ -234,3 +236,45 @@ def test_a_session_becomes_a_trajectory_and_an_edited_history_is_refused(served)
         session_episode(calls, reward=1.0)
     at = int(re.search(r"differs at token (\d+)", str(broken.value)).group(1))
     assert at >= len(calls[0].prompt_token_ids)  # the shared history matched; the rewritten answer did not
+
+
+def test_a_plain_agent_loops_re_rendered_answers_are_spliced_into_one_trajectory(served):
+    """An agent written against OpenAI's API appends each answer as text; the template renders it back to other
+    ids than the random model sampled (checked against the template's own rendering). The engine puts the sampled
+    ids back into the next prompt, so the session is one trajectory: its sampled tokens are each call's, byte for
+    byte, and between them are what the template added (the end of turn where the answer had none, the user's
+    next message, the assistant's turn)."""
+    from transformers import AutoTokenizer
+
+    from services import pool as pool_api
+    from services.models.source import resolve_model
+    from services.pool.session_episode import session_episode
+
+    recipe, _, client = served
+    model = recipe.policy.model_name
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    messages, sent, users = list(MESSAGES), [], ["Go on.", "And then?"]
+    for seed in range(3):
+        sent.append(list(messages))
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=seed,
+                                                extra_headers={"x-inflight-session": "agent-loop"})
+        if seed < len(users):
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": users[seed]}]
+    calls = pool_api.connect(POOL_NAME).take_session.remote("agent-loop").result(timeout_s=30)
+    calls.sort(key=lambda c: len(c.prompt_token_ids))
+    rendered = [tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                                 add_special_tokens=False) for m in sent]
+    assert rendered[0] == calls[0].prompt_token_ids  # the engine renders as the template does
+    assert any(r != c.prompt_token_ids for r, c in zip(rendered[1:], calls[1:], strict=True)), \
+        "every answer was rendered back to its sampled ids: the splice was not exercised"
+
+    trajectory = session_episode(calls, reward=1.0).trajectory
+    sampled = [c.in_order()[0].token_ids for c in calls]
+    ids, mask = trajectory.response_ids.tolist(), trajectory.loss_mask.tolist()
+    assert [i for i, m in zip(ids, mask, strict=True) if m == 1] == sum(sampled, [])
+    added = [calls[k + 1].prompt_token_ids[len(calls[k].prompt_token_ids) + len(sampled[k]):] for k in range(2)]
+    assert [i for i, m in zip(ids, mask, strict=True) if m == 0] == sum(added, [])
+    for k, user in enumerate(users):
+        end = "" if sampled[k][-1] == tokenizer.eos_token_id else "<|im_end|>"
+        assert tokenizer.decode(added[k]) == f"{end}\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
