@@ -123,8 +123,8 @@ class HttpEnvironment:
 
     def __init__(self, url: str, name: str, timeout_s: float = 30.0, max_concurrent_calls: int = 64,
                  max_retries: int = 2, retry_backoff_s: float = 0.5, *, seed: int | None = None,
-                 sleep: Callable[[float], Awaitable[Any]] | None = None):
-        where = f"environment {name!r}"
+                 sleep: Callable[[float], Awaitable[Any]] | None = None, role: str = "environment"):
+        where = f"{role} {name!r}"
         if not (isinstance(name, str) and name):
             raise ValueError(f"HttpEnvironment name: expected a non-empty string, got {name!r}")
         if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
@@ -142,6 +142,8 @@ class HttpEnvironment:
             raise ValueError(f"{where}: retry_backoff_s: expected a finite number >= 0, got {retry_backoff_s!r}")
         self.url = url.rstrip("/")
         self.name = name
+        self.where = where
+        """How failure reasons name the server (``environment 'calc'``; an agent server's say ``agent``)."""
         self.timeout_s = float(timeout_s)
         self.max_concurrent_calls = max_concurrent_calls
         self.max_retries = max_retries
@@ -161,10 +163,10 @@ class HttpEnvironment:
     async def reset(self, task: dict) -> tuple[HttpState, list[Message]]:
         """``POST /reset``: the episode's state (an :class:`HttpState`) and its first messages."""
         def parse(answer: dict[str, Any]) -> tuple[HttpState, list[Message]]:
-            state = _required(answer, "state")
+            state = required_field(answer, "state")
             return HttpState(state), _messages(answer.get("messages", []), "messages")
 
-        return await self._call("reset", {"task": task}, parse)
+        return await self.call("reset", {"task": task}, parse)
 
     async def step(self, state: HttpState, turn: Turn) -> EnvStep:
         """``POST /step``: the server's answer to ``turn``; a failed call is a failed step with the reason."""
@@ -173,7 +175,7 @@ class HttpEnvironment:
                             f"{type(state).__name__}")
 
         def parse(answer: dict[str, Any]) -> EnvStep:
-            new_state = _required(answer, "state")
+            new_state = required_field(answer, "state")
             got = _step(answer)
             state.value = new_state
             return got
@@ -181,7 +183,7 @@ class HttpEnvironment:
         body = {"state": state.value, "turn": {"text": turn.text, "token_ids": list(turn.token_ids),
                                                "final": bool(getattr(turn, "final", False))}}
         try:
-            return await self._call("step", body, parse)
+            return await self.call("step", body, parse)
         except EnvironmentCallError as exc:
             return EnvStep.failed(exc.reason, {"env_failure": exc.kind})
 
@@ -210,7 +212,10 @@ class HttpEnvironment:
         await self.aclose()
 
     # ------------------------------------------------------------------ calls
-    async def _call(self, endpoint: str, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]) -> T:
+    async def call(self, endpoint: str, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]) -> T:
+        """``POST {url}/{endpoint}`` with ``body`` (JSON), retried as the class says; ``parse`` reads the JSON object
+        answered (raising :class:`EnvironmentCallError`'s ``malformed`` through :func:`bad_answer`). Raises
+        :class:`EnvironmentCallError` with the reason once the attempts are spent."""
         started = time.monotonic()
         self.stats.calls += 1
         attempts = 0
@@ -228,7 +233,7 @@ class HttpEnvironment:
                 await self._sleep(self.backoff_s(attempts))
         except _Failed as exc:
             setattr(self.stats, exc.kind, getattr(self.stats, exc.kind) + 1)
-            reason = f"environment {self.name!r}: POST /{endpoint}: {self._describe(exc, attempts)}"
+            reason = f"{self.where}: POST /{endpoint}: {self._describe(exc, attempts)}"
             raise EnvironmentCallError(reason, exc.kind) from None
         finally:
             self.stats.seconds += time.monotonic() - started
@@ -309,11 +314,13 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-def _bad(where: str, expected: str, value: Any) -> _Failed:
+def bad_answer(where: str, expected: str, value: Any) -> Exception:
+    """A malformed answer at field ``where`` (raise it in a ``parse`` of :meth:`HttpEnvironment.call`)."""
     return _Failed("malformed", f"answer field {where!r}: expected {expected}, got {_show(value)}")
 
 
-def _required(answer: dict[str, Any], key: str) -> Any:
+def required_field(answer: dict[str, Any], key: str) -> Any:
+    """``answer[key]``, or a malformed answer naming the missing field."""
     if key not in answer:
         raise _Failed("malformed", f"answer has no field {key!r} (fields: {sorted(answer)})")
     return answer[key]
@@ -325,45 +332,45 @@ def _is_number(value: Any) -> bool:
 
 def _messages(value: Any, where: str) -> list[Message]:
     if not isinstance(value, list):
-        raise _bad(where, "a list of messages", value)
+        raise bad_answer(where, "a list of messages", value)
     out = []
     for i, m in enumerate(value):
         at = f"{where}[{i}]"
         if not isinstance(m, dict):
-            raise _bad(at, "an object {role, content}", m)
+            raise bad_answer(at, "an object {role, content}", m)
         if m.get("role") not in ROLES:
-            raise _bad(f"{at}.role", f"one of {list(ROLES)}", m.get("role"))
+            raise bad_answer(f"{at}.role", f"one of {list(ROLES)}", m.get("role"))
         if not isinstance(m.get("content"), str):
-            raise _bad(f"{at}.content", "a string", m.get("content"))
+            raise bad_answer(f"{at}.content", "a string", m.get("content"))
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None and not isinstance(m[key], str):
-                raise _bad(f"{at}.{key}", "a string or null", m[key])
+                raise bad_answer(f"{at}.{key}", "a string or null", m[key])
         out.append(Message(m["role"], m["content"], m.get("name"), m.get("tool_call_id")))
     return out
 
 
 def _step(answer: dict[str, Any]) -> EnvStep:
-    done = _required(answer, "done")
+    done = required_field(answer, "done")
     if not isinstance(done, bool):
-        raise _bad("done", "true or false", done)
+        raise bad_answer("done", "true or false", done)
     reward = answer.get("reward")
     if reward is not None and not _is_number(reward):
-        raise _bad("reward", "a number or null", reward)
+        raise bad_answer("reward", "a number or null", reward)
     failure = answer.get("failure")
     if failure is not None and not isinstance(failure, str):
-        raise _bad("failure", "a string or null", failure)
+        raise bad_answer("failure", "a string or null", failure)
     components = answer.get("components") or {}
     if not isinstance(components, dict):
-        raise _bad("components", "an object of numbers", components)
+        raise bad_answer("components", "an object of numbers", components)
     for k, v in components.items():
         if not _is_number(v):
-            raise _bad(f"components.{k}", "a number", v)
+            raise bad_answer(f"components.{k}", "a number", v)
     info = answer.get("info") or {}
     if not isinstance(info, dict):
-        raise _bad("info", "an object of strings and numbers", info)
+        raise bad_answer("info", "an object of strings and numbers", info)
     for k, v in info.items():
         if not (_is_number(v) or isinstance(v, str)):
-            raise _bad(f"info.{k}", "a string or a number", v)
+            raise bad_answer(f"info.{k}", "a string or a number", v)
     observation = _messages(answer.get("observation") or [], "observation")
     try:
         return EnvStep(observation=observation, reward=reward, done=done, info=info, components=components,

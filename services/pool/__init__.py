@@ -60,7 +60,8 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
     serve.start(http_options=http)
     try:
         recipe = _with_served_environment(recipe)
-        handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token),
+        here = pool_url(_reachable(http["host"]), http_port(), recipe.rollout_pool.route_prefix)
+        handle = serve.run(RolloutPool.bind(recipe.model_dump_json(), model_path, admin_token, here),
                            name=name, route_prefix=recipe.rollout_pool.route_prefix, blocking=False)
         status: PoolStatus = handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
         why = None if status.ready else ("; ".join(status.errors)
@@ -79,6 +80,11 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
 def pool_url(host: str, port: int, route_prefix: str) -> str:
     """Base URL of a pool's HTTP endpoints: ``http://<host>:<port>`` then its route prefix, if not ``/``."""
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def _reachable(host: str) -> str:
+    """The address engines call the Serve proxy at: loopback for a wildcard bind (a proxy runs on every node)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
 def served_environment_name(pool_name: str) -> str:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
 from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
+from services.pool.agent_driver import PoolAccess
 from services.pool.dispatch import Dispatcher
 from services.pool.env_server import REPLICA_STOP_POLL_S
 from services.pool.fleet import MAX_DRAIN_TIMEOUT_S, Fleet, ScaleError, ScaleRequestError, ScaleResult
@@ -39,10 +40,12 @@ from services.pool.openai_api import (
     ChatOutcome,
     ChatPlaces,
     OpenAIError,
+    SessionRoutes,
     check_chat_body,
     check_key,
     check_session,
     model_list,
+    rollout_key_secret,
 )
 from services.pool.status_page import StepHistory, TokenRates, render_page, security_headers
 from services.pool.watcher import HealthWatcher
@@ -74,7 +77,7 @@ class ScaleRequest(BaseModel):
                   graceful_shutdown_wait_loop_s=REPLICA_STOP_POLL_S)
 @serve.ingress(app)
 class RolloutPool:
-    def __init__(self, recipe_json: str, model_path: Any, admin_token: str):
+    def __init__(self, recipe_json: str, model_path: Any, admin_token: str, base_url: str = ""):
         self.recipe = Recipe.model_validate_json(recipe_json)
         self.name = self.recipe.rollout_pool.name
         self._token = admin_token
@@ -84,7 +87,8 @@ class RolloutPool:
         self.history = StepHistory()
         """The scalars of the last step reports, for the status page's plots and ``/v1/history``."""
         self.token_rates = TokenRates()
-        self.fleet = Fleet(self.recipe, model_path, self.metrics)
+        access = PoolAccess(base_url, rollout_key_secret(admin_token)) if base_url else None
+        self.fleet = Fleet(self.recipe, model_path, self.metrics, access)
         self.dispatcher = Dispatcher(self.fleet)
         refit_timeout_s = self.recipe.policy.refit_timeout_s
         self.fanout = ObjectStoreFanout(self.fleet, refit_timeout_s)
@@ -93,7 +97,8 @@ class RolloutPool:
         self.watcher = HealthWatcher(self.fleet, self.dispatcher, self.fanout.reinstall)
         self._boot: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
-        self._next_chat_engine = 0
+        self._chat_routes = SessionRoutes()
+        """The engine of each chat call: one per rollout session, round robin outside sessions."""
         self._chats = ChatPlaces(self.recipe.policy.generation.vllm_cfg.max_num_seqs, self.metrics.openai_running,
                                  self.metrics.openai_requests)
         """Chat requests admitted at once (more are refused with 429): one engine's ``max_num_seqs``."""
@@ -298,11 +303,12 @@ class RolloutPool:
             raise HTTPException(status_code=409 if err.outcome == "refused" else 503, detail=str(err)) from None
 
     # ------------------------------------------------------------ OpenAI-compatible serving (docs/agents.md)
-    def _openai_gate(self, authorization: str | None) -> None:
+    def _openai_gate(self, authorization: str | None) -> str | None:
+        """Refuse unless the pool serves OpenAI requests and the key is good; the session a rollout key binds."""
         if not self.recipe.policy.generation.vllm_cfg.expose_http_server:
             raise OpenAIError(404, "this pool does not serve OpenAI requests "
                                    "(policy.generation.vllm_cfg.expose_http_server is false)", "NotFoundError")
-        check_key(authorization, self._token)
+        return check_key(authorization, self._token)
 
     @app.get("/v1/models")
     async def openai_models(self, authorization: str | None = Header(default=None)):
@@ -319,17 +325,14 @@ class RolloutPool:
         ``x-inflight-policy-version`` is the version that engine served when it admitted the request."""
         self._ensure_started()
         try:
-            self._openai_gate(authorization)
-            session = check_session(request.headers.get(SESSION_HEADER))
+            session = check_session(request.headers.get(SESSION_HEADER), self._openai_gate(authorization))
             body = await request.body()
             check_chat_body(body, ChatLimits(self.recipe.policy.max_total_sequence_length))
             self._chats.refuse_if_full()
-            engines = self.fleet.serving()
-            if not engines:
+            eid = self._chat_routes.engine_for(session, self.fleet.serving(), self.fleet.table.up())
+            if eid is None:
                 raise OpenAIError(503, f"pool {self.name!r}: no engine serving version {self.fleet.version}",
                                   "ServiceUnavailableError")
-            eid = engines[self._next_chat_engine % len(engines)]
-            self._next_chat_engine += 1
             await self._chats.take()
         except OpenAIError as err:
             return JSONResponse(err.body(), status_code=err.status)

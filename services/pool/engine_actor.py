@@ -31,6 +31,7 @@ from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
     from rollout.episodes.env_registry import EnvironmentSpec
+    from services.pool.agent_driver import AgentDriver, AgentSpec, PoolAccess
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.engine")
@@ -66,8 +67,8 @@ class RewardEnvSpec:
         if name is None:
             return None
         section = recipe.env.named.get(name)
-        if section is not None and section.episodic and section.environment != "tool_calls":
-            return None  # the environment gives the reward itself; no reward workers to start
+        if section is not None and (section.agent or section.episodic and section.environment != "tool_calls"):
+            return None  # the environment (or agent) gives the reward itself; no reward workers to start
         named = recipe.env.named
         if name not in named:
             raise ValueError(f"data.env_name ({name!r}): no section env.{name} (have {sorted(named)})")
@@ -125,17 +126,22 @@ class EngineSpec:
     """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them."""
     model_name: str = ""
     """``policy.model_name``: the model ``/v1/chat/completions`` serves, by the name ``/v1/models`` gives."""
+    agent: AgentSpec | None = None
+    """The agent that plays each sample through the pool's OpenAI endpoint (``env.<name>.agent``); None: the
+    engine samples (and ``environment`` plays) the episodes itself."""
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, engine_id: str, model_path: str | ModelFiles,
-                    served_env_url: str | None = None) -> EngineSpec:
+                    served_env_url: str | None = None, access: PoolAccess | None = None) -> EngineSpec:
+        from services.pool.agent_driver import AgentSpec
+
         a = recipe.grpo.async_grpo
         return cls(engine_id, model_path, recipe.policy.generation, recipe.policy.max_total_sequence_length,
                    recipe.env.reward_fn, recipe.env.reward_timeout_s, a.recompute_kv_cache_after_weight_updates,
                    a.in_flight_weight_updates, recipe.rollout_pool.channel_send_timeout_s,
                    RewardEnvSpec.from_recipe(recipe), environment_spec(recipe, served_env_url),
                    recipe.grpo.max_rollout_turns, dict(recipe.policy.tokenizer.chat_template_kwargs),
-                   recipe.policy.model_name)
+                   recipe.policy.model_name, AgentSpec.from_recipe(recipe, access))
 
 
 def _engine_with_environment(spec: EngineSpec, new_engine, get_reward_fn):
@@ -169,6 +175,7 @@ class EngineActor:
         self.channel_timeout_s = spec.channel_timeout_s
         self.spec = spec
         self._chat: tuple[Any, Any] | None = None  # (the RolloutEngine, its ChatServer)
+        self._agents: AgentDriver | None = None  # built at the first batch of an agent section
         self._tasks: set[asyncio.Task] = set()
         self._started = False
         self._starts = 0
@@ -227,7 +234,7 @@ class EngineActor:
         pending = {r.prompt_id: r for r in requests}
         undelivered: list[UndeliveredPrompt] = []
         try:
-            async for group in self.engine.generate(requests, group_size):
+            async for group in self._groups(requests, group_size):
                 pending.pop(group.prompt_id, None)
                 failure = await self._send(channel, encode(group))
                 if failure:
@@ -249,6 +256,20 @@ class EngineActor:
                                                          f"{msg.payload['reason']}; then {failure}"[:500]))
         return undelivered, pending, ""
 
+    def _groups(self, requests: list[PromptRequest], group_size: int):
+        """The groups of ``requests`` as they complete: played by the section's agent, or by the engine."""
+        agents = self._agent_driver()
+        return self.engine.generate(requests, group_size) if agents is None else agents.generate(requests, group_size)
+
+    def _agent_driver(self) -> AgentDriver | None:
+        """The driver of the section's agent (made at first use); None without one."""
+        if self.spec.agent is not None and self._agents is None:
+            from services.pool.agent_driver import AgentDriver
+
+            self._agents = AgentDriver(self.spec.agent, self.engine_id, self._take_session_here,
+                                       lambda: self.engine.vocab_size)
+        return self._agents
+
     async def _send(self, channel, data: bytes) -> str:
         """Send one message; '' if it was delivered, else the reason it was not (counted, never raised)."""
         try:
@@ -265,7 +286,10 @@ class EngineActor:
         groups and returned to the caller, never sent to a channel (``failed``: prompts whose group could not be
         made)."""
         requests = [cast(PromptRequest, decode(b, expect=PromptRequest)) for b in prompt_bytes]
-        task = asyncio.get_running_loop().create_task(self.engine.evaluate(requests, group_size, temperature))
+        agents = self._agent_driver()  # an agent samples at its own temperature
+        work = self.engine.evaluate(requests, group_size, temperature) if agents is None else \
+            agents.evaluate(requests, group_size)
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         out = EvaluationReply()
@@ -285,6 +309,9 @@ class EngineActor:
 
     async def take_session(self, session: str) -> list:
         """The :class:`~services.pool.token_capture.CapturedCompletion` s this engine served in ``session``."""
+        return self._take_session_here(session)
+
+    def _take_session_here(self, session: str) -> list:
         return [] if self._chat is None else self._chat[1].take_session(session)
 
     def _chat_server(self):
@@ -356,6 +383,11 @@ class EngineActor:
 
     async def stats(self) -> dict:
         s = dict(self.engine.stats())
+        if self._agents is not None:
+            s["env"] = self._agents.snapshot()
+        if self._chat is not None:
+            s.update(openai_answers_spliced=self._chat[1].answers_spliced,
+                     openai_splice_refused=self._chat[1].splice_refused)
         s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
                  running_batches=len(self._tasks), pid=self.pid, incarnation=self.incarnation)
         return s
@@ -363,4 +395,6 @@ class EngineActor:
     async def shutdown(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+        if self._agents is not None:
+            await self._agents.aclose()
         await self.engine.shutdown()

@@ -37,6 +37,7 @@ from services.refit.port import KeptPush
 from services.refit.result import RefitError, describe, failure_reason
 
 if TYPE_CHECKING:
+    from services.pool.agent_driver import PoolAccess
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.pool")
@@ -93,8 +94,10 @@ class ScaleResult:
 
 
 class Fleet:
-    def __init__(self, recipe: Recipe, model_path: Any, metrics: PoolMetrics):
+    def __init__(self, recipe: Recipe, model_path: Any, metrics: PoolMetrics, access: PoolAccess | None = None):
         self.recipe, self.name, self.model_path, self.metrics = recipe, recipe.rollout_pool.name, model_path, metrics
+        self.access = access
+        """Where the engines' agents reach the pool (``env.<name>.agent``); None: the pool was made without it."""
         self.handles: dict[str, EngineHandle] = {}
         self.table = EngineTable()
         self.version = 0
@@ -116,7 +119,8 @@ class Fleet:
         started: dict[str, dict] = {}
         try:
             self.colocation = await asyncio.to_thread(colocation_group, self.recipe, self.name)
-            create_engines(self.recipe, self.name, self.model_path, self.colocation, into=self.handles)
+            create_engines(self.recipe, self.name, self.model_path, self.colocation, into=self.handles,
+                           access=self.access)
             self._adopt_scaled_engines()
             await boot_engines(self.handles, BOOT_TIMEOUT_S, started, self.recipe)
             for eid in self.handles:
@@ -312,7 +316,8 @@ class Fleet:
         made: dict[str, EngineHandle] = {}  # the existing engines too: their actors are found by name
         started: dict[str, dict] = {}
         try:
-            await asyncio.to_thread(create_engines, recipe, self.name, self.model_path, self.colocation, made)
+            await asyncio.to_thread(create_engines, recipe, self.name, self.model_path, self.colocation, made,
+                                    self.access)
             for eid in made:
                 if eid not in self.handles:
                     self.table.mark_starting(eid)

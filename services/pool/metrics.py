@@ -134,9 +134,15 @@ class PoolMetrics:
                                     "(each holds one of vllm_cfg.max_num_seqs places)", registry=r)
         self.openai_requests = Counter("inflight_openai_requests", "OpenAI chat requests by how they ended (ok, "
                                        "engine_error, hung_up: the caller left first)", ["outcome"], registry=r)
+        self.openai_spliced = Counter("inflight_openai_answers_spliced", "Earlier answers of a rollout session "
+                                      "put back into its next prompt as the ids the engine sampled (the chat "
+                                      "template rendered them to other tokens)", registry=r)
+        self.openai_splice_refused = Counter("inflight_openai_answers_splice_refused", "Earlier answers of a rollout "
+                                             "session left as rendered: the agent changed their text", registry=r)
         self.env_counters = {key: Counter(name, doc, ["env"], registry=r) for key, (name, doc) in ENV_COUNTERS.items()}
-        self.env_calls = Counter("inflight_env_calls", "Calls to an environment server by outcome (ok, timeout, "
-                                 "http_5xx, http_4xx, malformed, connection)", ["env", "outcome"], registry=r)
+        self.env_calls = Counter("inflight_env_calls", "Calls to an environment server, or agent episodes, by "
+                                 "outcome (ok, timeout, http_5xx, http_4xx, malformed, connection; agents also "
+                                 "agent_error, bad_reward, session_broken)", ["env", "outcome"], registry=r)
         self.env_retries = Counter("inflight_env_retries", "Environment server calls made again after a timeout, a "
                                    "connection error or an HTTP 5xx", ["env"], registry=r)
 

@@ -6,9 +6,10 @@ the body's size and JSON shape, the bounds of ``n`` / ``max_tokens`` / ``stream`
 once. Every refusal has OpenAI's error shape as vLLM writes it (``{"error": {"message", "type", "param",
 "code"}}``), so the official ``openai`` client raises its usual exceptions. Pure: no Ray, no vLLM.
 
-Who may call: the pool's *serving key*, an HMAC of the admin token (:func:`serving_key`), or the admin token
-itself. The serving key lets an agent generate and nothing else: it cannot pause, drain or scale the pool, and
-the admin token cannot be recovered from it (docs/security.md).
+Who may call: the pool's *serving key*, an HMAC of the admin token (:func:`serving_key`), the admin token itself,
+or a *rollout key* (:func:`rollout_key`), which the agent driver hands an agent for one session: it generates in
+that session only. No key can pause, drain or scale the pool, and the admin token cannot be recovered from one
+(docs/security.md). A session's calls go to one engine (:class:`SessionRoutes`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import hashlib
 import hmac
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +27,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_N = 64
 """Most answers one request may ask for (``n``)."""
 SERVING_KEY_CONTEXT = b"inflight openai serving v1"
+ROLLOUT_KEY_CONTEXT = b"inflight rollout keys v1"
+ROLLOUT_KEY_PREFIX = "ifr1."
+MAX_ROUTES = 4096
+"""Sessions whose engine the ingress remembers (the oldest is forgotten beyond)."""
 
 
 @dataclass(frozen=True)
@@ -63,27 +69,78 @@ def serving_key(admin_token: str) -> str:
     return hmac.new(admin_token.encode(), SERVING_KEY_CONTEXT, hashlib.sha256).hexdigest()
 
 
-def check_key(authorization: str | None, admin_token: str) -> None:
-    """Accept ``Authorization: Bearer <serving key or admin token>``; raise a 401 :class:`OpenAIError` else."""
+def rollout_key_secret(admin_token: str) -> str:
+    """What engines mint rollout keys with (:func:`rollout_key`): an HMAC of the admin token, so an engine never
+    holds the admin token itself."""
+    return hmac.new(admin_token.encode(), ROLLOUT_KEY_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def rollout_key(secret: str, session: str) -> str:
+    """The key of one rollout ``session``: ``ifr1.<session>.<HMAC of the session under secret>``. It can generate
+    in that session only (the ingress reads the session from it)."""
+    mac = hmac.new(secret.encode(), session.encode(), hashlib.sha256).hexdigest()
+    return f"{ROLLOUT_KEY_PREFIX}{session}.{mac}"
+
+
+def check_key(authorization: str | None, admin_token: str) -> str | None:
+    """Accept ``Authorization: Bearer <serving key, admin token or rollout key>``; the session a rollout key is
+    bound to (None for the others); raise a 401 :class:`OpenAIError` for anything else."""
     scheme, _, token = (authorization or "").partition(" ")
-    ok = scheme.lower() == "bearer" and token != "" and any(
-        hmac.compare_digest(token.encode(), k.encode()) for k in (serving_key(admin_token), admin_token))
-    if not ok:
-        raise OpenAIError(401, "the pool's OpenAI endpoints need 'Authorization: Bearer <serving key>' "
-                               "(docs/agents.md)", "AuthenticationError")
+    if scheme.lower() == "bearer" and token.startswith(ROLLOUT_KEY_PREFIX):
+        session = token[len(ROLLOUT_KEY_PREFIX):].rpartition(".")[0]
+        if session and hmac.compare_digest(token.encode(),
+                                           rollout_key(rollout_key_secret(admin_token), session).encode()):
+            return session
+    elif scheme.lower() == "bearer" and token != "" and any(
+            hmac.compare_digest(token.encode(), k.encode()) for k in (serving_key(admin_token), admin_token)):
+        return None
+    raise OpenAIError(401, "the pool's OpenAI endpoints need 'Authorization: Bearer <serving key or rollout key>' "
+                           "(docs/agents.md)", "AuthenticationError")
 
 
 SESSION_HEADER = "x-inflight-session"
 """The header that puts a request in a rollout session (its tokens are kept for the trainer)."""
 
 
-def check_session(value: str | None) -> str | None:
-    """A rollout session id: 1..128 of ``A-Z a-z 0-9 _ . : -``; None without the header."""
-    if value is None:
-        return None
-    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", value):
+def check_session(value: str | None, bound: str | None = None) -> str | None:
+    """The request's rollout session: the header's id (1..128 of ``A-Z a-z 0-9 _ . : -``), or ``bound``, the session
+    of the caller's rollout key (a header naming another session is refused: 403); None for neither."""
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", value):
         raise OpenAIError(400, f"{SESSION_HEADER}: 1..128 characters of A-Z a-z 0-9 _ . : -", param=SESSION_HEADER)
-    return value
+    if bound is not None and value not in (None, bound):
+        raise OpenAIError(403, f"{SESSION_HEADER}: this rollout key is for another session", "PermissionDeniedError",
+                          param=SESSION_HEADER)
+    return bound if bound is not None else value
+
+
+class SessionRoutes:
+    """Which engine answers each call of a rollout session: all of them go to one engine, so that it splices the
+    session's earlier answers into the next prompt and the driver takes the session where it runs. A session named
+    ``<engine id>:<anything>`` (the agent driver's) goes to that engine while it is up; any other session to the
+    engine its first call went to, while that one serves; calls outside a session, round robin."""
+
+    def __init__(self, max_routes: int = MAX_ROUTES):
+        self.max_routes = max_routes
+        self._routes: OrderedDict[str, str] = OrderedDict()
+        self._next = 0
+
+    def engine_for(self, session: str | None, serving: list[str], up: list[str]) -> str | None:
+        """The engine for a call in ``session`` (None: none serving); ``up``: engines that are up at any version."""
+        owner = session.rpartition(":")[0] if session else ""
+        if owner and owner in up:
+            return owner
+        if session and self._routes.get(session) in serving:
+            self._routes.move_to_end(session)
+            return self._routes[session]
+        if not serving:
+            return None
+        eid = serving[self._next % len(serving)]
+        self._next += 1
+        if session:
+            self._routes[session] = eid
+            while len(self._routes) > self.max_routes:
+                self._routes.popitem(last=False)
+        return eid
 
 
 def _int_field(body: dict[str, Any], name: str, low: int, high: int) -> int | None:

@@ -20,6 +20,7 @@ from services.pool.placement import colocation_group_name, engine_options
 from services.recipe.gpu_layout import check_pool_fits, gpu_census, pool_gpus_per_engine
 
 if TYPE_CHECKING:
+    from services.pool.agent_driver import PoolAccess
     from services.recipe.config import Recipe
 
 BOOT_TIMEOUT_S = 600.0
@@ -48,9 +49,11 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
 
 
-def create_engines(recipe: Recipe, pool_name: str, model_path: Any, group: Any, into: dict) -> None:
+def create_engines(recipe: Recipe, pool_name: str, model_path: Any, group: Any, into: dict,
+                   access: PoolAccess | None = None) -> None:
     """Create the engine actors (named, detached, restarted by Ray) in their places (:mod:`.placement`),
-    adding each to ``into`` as it is made, so that a failure half-way leaves ``into`` holding those to remove."""
+    adding each to ``into`` as it is made, so that a failure half-way leaves ``into`` holding those to remove.
+    ``access``: where the engines' agents reach the pool."""
     import ray
 
     r = recipe
@@ -63,7 +66,7 @@ def create_engines(recipe: Recipe, pool_name: str, model_path: Any, group: Any, 
             name=eid, namespace=ENGINE_NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
             max_concurrency=1000, num_cpus=0,
             **engine_options(r, i, group, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}))
-        into[eid] = actor_cls.remote(EngineSpec.from_recipe(r, eid, model_path))
+        into[eid] = actor_cls.remote(EngineSpec.from_recipe(r, eid, model_path, access=access))
 
 
 def _exists(name: str) -> bool:

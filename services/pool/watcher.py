@@ -154,7 +154,9 @@ class HealthWatcher:
             seen["incarnation"] = now_in
         metrics = self.fleet.metrics
         counters = [(key, stats.get(stat, 0), counter) for key, stat, counter in (
-            ("tokens", "tokens_generated", metrics.generation_tokens), ("groups", "groups", metrics.groups_generated))]
+            ("tokens", "tokens_generated", metrics.generation_tokens), ("groups", "groups", metrics.groups_generated),
+            ("spliced", "openai_answers_spliced", metrics.openai_spliced),
+            ("splice_refused", "openai_splice_refused", metrics.openai_splice_refused))]
         if env := stats.get("env"):  # {"name", counters..., "calls": {outcome: n}, "retries"}
             label = {"env": str(env["name"])}
             counters += [(f"env:{key}", env[key], metrics.env_counters[key].labels(**label))

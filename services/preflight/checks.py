@@ -204,6 +204,8 @@ def _check_scoring(recipe: Recipe, checks: RecipeChecks) -> None:
             get_reward_fn(fn)
         except ValueError as err:
             checks.add(key, fn, err, "reward function")
+    if name is not None and (agent := recipe.env.named[name].agent) is not None:
+        _check_agent(checks, name, agent)
     if name is None or not (e := recipe.env.named[name]).episodic:
         return
     turns = f"up to {recipe.grpo.max_rollout_turns} turns"
@@ -219,3 +221,18 @@ def _check_scoring(recipe: Recipe, checks: RecipeChecks) -> None:
             return
         served = ", served by Ray Serve" if e.serve else ""
         checks.notes.append(f"env.{name}: {cls.__module__}.{cls.__qualname__}{served}, {turns}")
+
+
+def _check_agent(checks: RecipeChecks, name: str, agent: str) -> None:
+    """An agent server is noted (it is called when episodes run); a coroutine is imported and its signature read."""
+    if agent.startswith(("http://", "https://")):
+        checks.notes.append(f"env.{name}: agent server {agent} (POST /run per episode)")
+        return
+    from services.pool.agent_server import load_agent
+
+    try:
+        fn = load_agent(agent, name)
+    except ValueError as err:
+        checks.add(f"env.{name}.agent", agent, err, "agent")
+        return
+    checks.notes.append(f"env.{name}: agent {agent} ({fn.__qualname__}) through the pool's OpenAI endpoint")

@@ -177,6 +177,19 @@ class RewardEnvConfig(ConfigModel):
     url: str | None = Field(default=None, min_length=1, max_length=2048)
     """An environment server (``POST /reset``, ``POST /step``; docs/environments.md, "Environment servers") that
     plays the episodes instead of a class in the engine's process."""
+    agent: str | None = Field(default=None, min_length=1, max_length=2048)
+    """An agent that plays each episode through the pool's OpenAI endpoint (docs/agents.md): your coroutine
+    ``async def run(task, client) -> reward`` as ``package.module:function`` / ``/path/to/file.py:function``
+    (``client``: an ``openai.AsyncOpenAI`` bound to the sample's rollout session), or the ``http(s)://`` URL of an
+    agent server (``POST <url>/run``, NeMo-Gym's shape). Its calls are captured token for token; it gives the
+    reward. Needs ``policy.generation.vllm_cfg.expose_http_server``; excludes ``environment``, ``url`` and
+    ``serve``; ``reward_functions`` are not used."""
+    agent_timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
+    """Deadline of one agent episode (every call it makes included; an agent server's whole ``/run``, per
+    attempt); past it the sample fails with the reason."""
+    agent_base_url: str | None = Field(default=None, min_length=1, max_length=2048)
+    """The pool's URL as the agent reaches it (``http://host:port[/route_prefix]``); default: the Serve proxy on
+    the engine's own node. Set it when an agent server runs on another machine."""
     serve: bool = False
     """Deploy ``environment`` as a Ray Serve application next to the pool (its own replicas and HTTP route);
     the engines then call it as they call a ``url``."""
@@ -209,6 +222,21 @@ class RewardEnvConfig(ConfigModel):
     def episodic(self) -> bool:
         """Whether an environment (a class, a server or a served class) plays the episodes."""
         return self.environment is not None or self.url is not None
+
+    @model_validator(mode="after")
+    def _agent(self):
+        if self.agent is None:
+            return self
+        if self.environment is not None or self.url is not None or self.serve:
+            raise ValueError("agent: an agent plays the episodes itself; it excludes environment, url and serve")
+        if self.tools:
+            raise ValueError(f"tools: {self.tools} are run by environment: tool_calls; an agent brings its own tools")
+        if self.agent_base_url is not None and not self.agent_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"agent_base_url: expected http://host:port..., got {self.agent_base_url!r}")
+        if not self.agent.startswith(("http://", "https://")) and ":" not in self.agent:
+            raise ValueError(f"agent: expected 'package.module:function', '/path/to/file.py:function' or an agent "
+                             f"server's http(s):// URL, got {self.agent!r}")
+        return self
 
     @model_validator(mode="after")
     def _environment(self):

@@ -1,7 +1,7 @@
 """Relative paths in a recipe, found from anywhere (docs/configuration.md, "Paths").
 
 A relative path a recipe names (data files and globs, prompt files, the model and tokenizer directories,
-``file.py:name`` reward functions and environments, image roots) is read from the current directory when it is
+``file.py:name`` reward functions, environments and agents, image roots) is read from the current directory when it is
 there; otherwise from the directory of the recipe file named on the command line, then from each directory above
 it up to the top of its project tree (:func:`services.recipe.guard.project_root`: the nearest directory above it
 holding ``.git``, ``pyproject.toml`` or ``setup.py``), and the first place where it exists replaces it by its
@@ -101,6 +101,8 @@ def _references(data: dict) -> Iterator[tuple[str, Any, Any, bool]]:
             continue
         if isinstance(sec.get("environment"), str):
             yield f"env.{name}.environment", sec, "environment", True
+        if isinstance(sec.get("agent"), str) and not sec["agent"].startswith(("http://", "https://")):
+            yield f"env.{name}.agent", sec, "agent", True
         for i, fn in enumerate(sec.get("reward_functions") or []):
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                 yield f"env.{name}.reward_functions.{i}.name", fn, "name", True

@@ -90,10 +90,13 @@ def _check_data(recipe: Recipe) -> None:
     unused = sorted(set(named) - {d.env_name})
     if unused:
         raise ValueError(f"env.{unused[0]}: a section no data.env_name names")
-    episodic = d.env_name is not None and named[d.env_name].episodic
-    if g.max_rollout_turns > 1 and not episodic:
+    section = named[d.env_name] if d.env_name is not None else None
+    if g.max_rollout_turns > 1 and not (section is not None and (section.episodic or section.agent)):
         raise ValueError(f"grpo.max_rollout_turns ({g.max_rollout_turns}) > 1 needs an environment that plays "
                          f"episodes: env.<name>.environment or env.<name>.url (data.env_name names the section)")
+    if section is not None and section.agent and not p.generation.vllm_cfg.expose_http_server:
+        raise ValueError(f"env.{d.env_name}.agent: the agent calls the pool's OpenAI endpoint; set "
+                         f"policy.generation.vllm_cfg.expose_http_server: true")
     metric = recipe.checkpointing.metric_name
     validates = g.val_period > 0 or g.val_at_start
     if validates and d.train_data_path is not None and d.val_data_path is None and not d.split_validation_size:

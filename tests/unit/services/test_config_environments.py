@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollout.episodes.env_registry import EnvironmentSpec, build_environment, load_environment_class, tool_schemas
-from services.recipe.config import RecipeError, load_recipe
 from services.pool.engine_actor import EngineSpec, RewardEnvSpec, environment_spec
+from services.recipe.config import RecipeError, load_recipe
 
 
 def test_a_multi_turn_section_becomes_the_engines_environment_spec():
@@ -40,6 +40,9 @@ def test_a_served_environment_needs_the_pools_url():
     assert spec is not None and spec.url == "http://127.0.0.1:8000/env/game" and spec.environment is None
 
 
+HTTP = "policy.generation.vllm_cfg.expose_http_server"
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["grpo.max_rollout_turns=3"], "grpo.max_rollout_turns (3) > 1 needs an environment"),
     (["grpo.max_rollout_turns=0"], "greater than or equal to 1"),
@@ -51,11 +54,36 @@ def test_a_served_environment_needs_the_pools_url():
     (["env.x.serve=true"], "serve: true needs environment"),
     (["env.x.serve=true", "env.x.environment=tool_calls", "env.x.tools=[calculator]"], "runs in the engines"),
     (["env.x.step_timeout_s=0", "env.x.url=http://h:1"], "greater than 0"),
+    (["env.x.agent=a.py:run", "env.x.environment=letter_relay"], "excludes environment, url and serve"),
+    (["env.x.agent=http://h:1", "env.x.url=http://h:2"], "excludes environment, url and serve"),
+    (["env.x.agent=a.py:run", "env.x.tools=[calculator]"], "an agent brings its own tools"),
+    (["env.x.agent=just_a_name", f"{HTTP}=true"], "expected 'package.module:function'"),
+    ([f"{HTTP}=true", "env.x.agent=a.py:run", "env.x.agent_base_url=pool:8000"], "expected http://host:port"),
+    (["env.x.agent=a.py:run"], "env.x.agent: the agent calls the pool's OpenAI endpoint; set policy.generation"),
+    ([f"{HTTP}=true", "env.x.agent=a.py:run", "env.x.agent_timeout_s=0"], "greater than 0"),
 ])
 def test_bad_environment_sections_are_refused_with_the_key(overrides, words):
     with pytest.raises(RecipeError) as err:
         load_recipe(None, overrides)
     assert words in str(err.value)
+
+
+def test_an_agent_section_becomes_the_engines_agent_spec():
+    from services.pool.agent_driver import AgentSpec, PoolAccess
+
+    r = load_recipe(None, [f"{HTTP}=true", "env.calc.agent=my_pkg.agents:run", "env.calc.agent_timeout_s=90",
+                           "env.calc.max_concurrent_calls=5", "grpo.max_rollout_turns=4"])
+    access = PoolAccess("http://127.0.0.1:8123/pool/", "secret")
+    spec = EngineSpec.from_recipe(r, "e0", "/model", access=access)
+    assert spec.agent == AgentSpec("calc", "my_pkg.agents:run", "http://127.0.0.1:8123/pool", "secret",
+                                   r.policy.model_name, 90.0, 5, 2, 0.5)
+    assert spec.environment is None and spec.reward_env is None  # the agent plays and scores the episodes
+    with pytest.raises(ValueError, match="did not say where agents reach it"):
+        EngineSpec.from_recipe(r, "e0", "/model")
+    r = load_recipe(None, [f"{HTTP}=true", "env.calc.agent=http://agents:9/x", "env.calc.agent_base_url=http://h:1/"])
+    agent = EngineSpec.from_recipe(r, "e0", "/model", access=access).agent
+    assert agent is not None and agent.is_server and agent.base_url == "http://h:1"
+    assert EngineSpec.from_recipe(load_recipe(None, []), "e0", "/model", access=access).agent is None
 
 
 def test_registry_builds_tool_calls_and_refuses_unknown_classes():

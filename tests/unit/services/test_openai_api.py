@@ -12,10 +12,13 @@ from services.pool.openai_api import (
     ChatBody,
     ChatLimits,
     OpenAIError,
+    SessionRoutes,
     check_chat_body,
     check_key,
     check_session,
     model_list,
+    rollout_key,
+    rollout_key_secret,
     serving_key,
 )
 
@@ -75,6 +78,41 @@ def test_keys():
         with pytest.raises(OpenAIError) as err:
             check_key(bad, "admin")
         assert err.value.status == 401 and err.value.body()["error"]["type"] == "AuthenticationError"
+
+
+def test_a_rollout_key_binds_its_session_and_nothing_else():
+    secret = rollout_key_secret("admin")
+    assert secret not in (serving_key("admin"), "admin") and secret == rollout_key_secret("admin")
+    key = rollout_key(secret, "pool-engine-0:abc.1")
+    assert check_key(f"Bearer {key}", "admin") == "pool-engine-0:abc.1"
+    assert check_key(f"Bearer {serving_key('admin')}", "admin") is None
+    forged = [rollout_key(secret, "other") .replace("other", "pool-engine-0:abc.1"),  # another session's MAC
+              rollout_key(rollout_key_secret("other-admin"), "pool-engine-0:abc.1"), "ifr1.", "ifr1..x",
+              key[:-1] + ("0" if key[-1] != "0" else "1")]
+    for bad in forged:
+        with pytest.raises(OpenAIError) as err:
+            check_key(f"Bearer {bad}", "admin")
+        assert err.value.status == 401, bad
+    assert check_session(None, "s1") == "s1" and check_session("s1", "s1") == "s1"
+    with pytest.raises(OpenAIError) as err:
+        check_session("s2", "s1")
+    assert err.value.status == 403 and err.value.param == "x-inflight-session"
+
+
+def test_session_routes_keep_a_session_on_one_engine():
+    routes = SessionRoutes(max_routes=2)
+    serving, up = ["e0", "e1"], ["e0", "e1", "e2"]
+    assert [routes.engine_for(None, serving, up) for _ in range(3)] == ["e0", "e1", "e0"]  # round robin
+    first = routes.engine_for("a", serving, up)
+    assert all(routes.engine_for("a", serving, up) == first for _ in range(4))
+    assert routes.engine_for("e2:x", serving, up) == "e2"  # the driver's sessions: their engine, up at any version
+    assert routes.engine_for("e9:x", serving, up) in serving  # an engine that is not up: like any session
+    other = "e1" if first == "e0" else "e0"
+    assert routes.engine_for("a", [other], up) == other  # its engine stopped serving: moved, and kept there
+    assert routes.engine_for("a", serving, up) == other
+    routes.engine_for("b", serving, up), routes.engine_for("c", serving, up)  # "a" is the oldest: forgotten
+    assert "a" not in routes._routes and len(routes._routes) == 2
+    assert routes.engine_for("a", [], up) is None
 
 
 def test_model_list():

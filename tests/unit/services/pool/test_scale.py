@@ -72,7 +72,7 @@ def cluster(monkeypatch):
     new = SimpleNamespace(boots=True, install_gate=None)
     """How the next engines made boot, and the event their installs wait for (None: they do not wait)."""
 
-    def create_engines(recipe, pool_name, model_path, group, into):
+    def create_engines(recipe, pool_name, model_path, group, into, access=None):
         for i in range(recipe.rollout_pool.num_engines):
             name = engine_name(pool_name, i)
             if name not in actors:
