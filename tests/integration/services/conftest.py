@@ -1,4 +1,5 @@
-"""Fixtures for the services integration tests: one private local Ray cluster per session, and the data pool.
+"""Fixtures for the services integration tests: one private local Ray cluster per session, the data pool and the
+OpenAI-serving pool.
 
 Another Ray cluster may be running on the machine, so the cluster is always a
 fresh local one (``address="local"``) with its own temp dir, no dashboard and a
@@ -48,3 +49,29 @@ def data_pool(ray_cluster, tmp_path_factory):
     assert deployed.status.ready, deployed
     yield recipe
     pool_api.shutdown(recipe.rollout_pool.name)
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, tmp_path_factory):
+    """The OpenAI-serving pool (tests/integration/services/openai_pool.py), its episodes played by an agent server;
+    yields (recipe, base URL, an ``openai`` client with the serving key). Up from its first test to the session's
+    end (its modules run one after the other)."""
+    import openai
+    from http_server import Server
+    from openai_pool import AGENT_TIMEOUT_S, OVERRIDES, POOL_NAME, TOKEN, agent_app
+    from test_pool_and_loops import tiny_recipe
+
+    from services import pool as pool_api
+    from services.app import deploy_pool
+    from services.pool.openai_api import serving_key
+
+    os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
+    agents = Server(agent_app())
+    recipe = tiny_recipe(*OVERRIDES, f"env.agents.agent={agents.url}", f"env.agents.agent_timeout_s={AGENT_TIMEOUT_S}",
+                         "env.agents.max_retries=0")
+    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("openai-pool"))
+    assert deployed.status.ready, deployed
+    client = openai.OpenAI(base_url=f"{deployed.http}/v1", api_key=serving_key(TOKEN), timeout=120, max_retries=0)
+    yield recipe, deployed.http, client
+    pool_api.shutdown(POOL_NAME)
+    agents.stop()

@@ -6,96 +6,20 @@ model, chats (``n``, ``temperature`` / ``top_p``, ``stop``, ``max_tokens``, log-
 named tool; every answer says the policy version that served it. Malformed requests (the ingress's checks and
 vLLM's) and a wrong key get OpenAI-shaped errors, which the client raises as its usual exceptions. A rollout
 session's calls become one trajectory: a plain agent loop's answers, which the template renders back to other
-ids, are spliced back as sampled; an edited answer is refused. The pool's section is an agent server
-(``env.agents.agent``): its episodes, played through the pool with rollout keys, become groups whose trained ids
-are the ids the agent was served; a server that times out, answers 500 or malformed JSON fails its samples.
+ids, are spliced back as sampled; an edited answer is refused. The pool: tests/integration/services/openai_pool.py.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
-import time
-import urllib.request
-import uuid
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from http_server import Server
-from test_pool_and_loops import scrape, tiny_recipe
+from openai_pool import MESSAGES, POOL_NAME, TOKEN, WEATHER
+from test_pool_and_loops import scrape
 
 from services.pool.openai_api import serving_key
-
-POOL_NAME = "inflight-openai-pool"
-TOKEN = "openai-admin-token"
-CHAT = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"
-OVERRIDES = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.num_engines=1", "rollout_pool.route_prefix=/openai-pool",
-             "policy.generation.vllm_cfg.expose_http_server=true", f"{CHAT}.enable_auto_tools=true",
-             f"{CHAT}.tool_parser=hermes",
-             "policy.max_total_sequence_length=1024")  # the tools turn of the tiny tokenizer is ~300 tokens
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.", "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-
-
-AGENT_TIMEOUT_S = 6
-SERVED_IDS: dict[str, list[list[int]]] = {}
-"""The token ids each ``ok`` episode of the agent server was answered, per call (by the task's ``key``)."""
-
-
-def agent_app() -> FastAPI:
-    """An agent server in NeMo-Gym's shape; what an episode does is its task's ``mode``."""
-    app = FastAPI()
-
-    @app.post("/run")
-    async def run(request: Request) -> Response:
-        body = await request.json()
-        if body["mode"] == "timeout":
-            await asyncio.sleep(AGENT_TIMEOUT_S + 2)
-        if body["mode"] == "http500":
-            return Response("agent crashed", status_code=500)
-        if body["mode"] == "malformed":
-            return Response("{not json", media_type="application/json")
-        client = openai.AsyncOpenAI(base_url=body["policy_base_url"], api_key=body["policy_api_key"], max_retries=0)
-        messages, ids = list(MESSAGES), []
-        for _ in range(2):
-            answer = await client.chat.completions.create(
-                model=body["policy_model_name"], messages=messages, max_tokens=6, logprobs=True,
-                extra_body={"return_tokens_as_token_ids": True})
-            choice = answer.choices[0]
-            ids.append([int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content])
-            messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "More."}]
-        await client.close()
-        SERVED_IDS[body["key"]] = ids
-        return JSONResponse({"reward": 0.25, "response": {}})
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
-    """A deployed one-engine pool serving OpenAI requests, whose episodes an agent server plays; yields (recipe,
-    base URL, client)."""
-    from services import pool as pool_api
-    from services.app import deploy_pool
-
-    os.environ["INFLIGHT_ADMIN_TOKEN"] = TOKEN
-    agents = Server(agent_app())
-    recipe = tiny_recipe(*OVERRIDES, f"env.agents.agent={agents.url}", f"env.agents.agent_timeout_s={AGENT_TIMEOUT_S}",
-                         "env.agents.max_retries=0")
-    deployed = deploy_pool(recipe, tmp_path_factory.mktemp("openai-pool"))
-    assert deployed.status.ready, deployed
-    client = openai.OpenAI(base_url=f"{deployed.http}/v1", api_key=serving_key(TOKEN), timeout=120, max_retries=0)
-    yield recipe, deployed.http, client
-    pool_api.shutdown(POOL_NAME)
-    agents.stop()
 
 
 def test_models_and_chat(served):
@@ -327,52 +251,3 @@ def test_a_plain_agent_loops_re_rendered_answers_are_spliced_into_one_trajectory
         end = "" if sampled[k][-1] == tokenizer.eos_token_id else "<|im_end|>"
         assert tokenizer.decode(added[k]) == f"{end}\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
-
-def test_an_agent_servers_episodes_become_groups_and_its_failures_fail_their_samples(served):
-    """Issue 38, item 3, through the real pool: each sample is an agent episode (two calls, the first answer
-    appended as text) in a session of its own; the trained ids are exactly the ids the agent was served, the
-    environment's tokens between are masked; a server that times out, answers 500 or malformed JSON fails its
-    samples with the reason, and the pool goes on."""
-    from protocol import ControlMessage, PromptRequest, TrajectoryGroup, decode, encode
-    from services import pool as pool_api
-    from services.job.channel import TrajectoryChannel
-
-    _, url, _ = served
-    handle = pool_api.connect(POOL_NAME)
-    learner_id = f"agents-{uuid.uuid4().hex[:8]}"
-    channel = TrajectoryChannel.create(f"{learner_id}-trajectories", 16)
-    modes = ["ok", "timeout", "http500", "malformed"]
-    requests = [PromptRequest(f"{mode}-{uuid.uuid4().hex[:6]}", np.arange(5, 15), {"mode": mode, "key": mode})
-                for mode in modes]
-    groups: dict[str, TrajectoryGroup] = {}
-    try:
-        handle.attach.remote(learner_id, channel).result(timeout_s=60)
-        handle.submit.remote([encode(r) for r in requests], 1).result(timeout_s=60)
-        deadline = time.monotonic() + 180
-        while len(groups) < len(modes) and time.monotonic() < deadline:
-            msg = decode(channel.recv(max(1.0, deadline - time.monotonic())))
-            assert isinstance(msg, TrajectoryGroup) and not isinstance(msg, ControlMessage), msg
-            groups[msg.prompt_id.split("-")[0]] = msg
-    finally:
-        handle.detach.remote(learner_id).result(timeout_s=60)
-        channel.close()
-    (ok,) = groups["ok"].trajectories
-    assert ok.ok and ok.reward == 0.25, ok.error
-    sampled = ok.response_ids[ok.loss_mask == 1].tolist()
-    assert sampled == SERVED_IDS["ok"][0] + SERVED_IDS["ok"][1]  # byte for byte what the engine served
-    first = len(SERVED_IDS["ok"][0])
-    assert ok.response_ids[:first].tolist() == SERVED_IDS["ok"][0] and (ok.loss_mask[first:] == 0).any()
-    expected = {"timeout": f"timed out after {AGENT_TIMEOUT_S}s", "http500": "HTTP 500 after 1 attempt: agent crashed",
-                "malformed": "malformed JSON"}
-    for mode, words in expected.items():
-        (t,) = groups[mode].trajectories
-        assert not t.ok and t.reward is None and t.failure_kind == "environment", (mode, t)
-        assert "agent server 'agents': POST /run" in t.error and words in t.error, (mode, t.error)
-    want = 'inflight_env_calls_total{env="agents",outcome="timeout"} 1.0'
-    deadline, metrics = time.monotonic() + 60, ""
-    while want not in metrics and time.monotonic() < deadline:  # the watcher folds engine stats in each period
-        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-        time.sleep(1)
-    for outcome in ("ok", "timeout", "http_5xx", "malformed"):
-        assert f'inflight_env_calls_total{{env="agents",outcome="{outcome}"}} 1.0' in metrics, outcome
-    assert 'inflight_env_failed_samples_total{env="agents"} 3.0' in metrics

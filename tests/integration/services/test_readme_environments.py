@@ -18,10 +18,10 @@ def rows(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "reward_mean" in r and "step" in r]
 
 
-def run_readme_line(tmp_path: Path, recipe: str) -> Path:
-    """Run the README block's line that names ``recipe`` in ``tmp_path``, as a user would; returns the run's
-    metrics file."""
-    [cmd] = [c for c in readme_commands(README_SECTION) if recipe in c]
+def run_readme_line(tmp_path: Path, recipe: str, section: str = README_SECTION) -> Path:
+    """Run the line of README ``section``'s block that names ``recipe`` in ``tmp_path``, as a user would; returns
+    the run's metrics file."""
+    [cmd] = [c for c in readme_commands(section) if recipe in c]
     run_as_user(tmp_path, [cmd], links=(".venv", "recipes"), pythonpath=True)
     return tmp_path / "runs" / Path(recipe).stem / "metrics.jsonl"
 
