@@ -2,7 +2,7 @@
 (tests/integration/services/openai_pool.py), whose episodes, played through the pool with rollout keys, become
 groups whose trained ids are the ids the agent was served; a server that times out, answers 500 or malformed JSON
 fails its samples with the reason and the pool goes on. The example agent server of recipes/agents/ plays the
-letter relay through the same pool."""
+letter relay through the same pool. A push between two calls of a session gives their tokens v, then v+1."""
 from __future__ import annotations
 
 import time
@@ -89,3 +89,38 @@ def test_the_example_agent_server_plays_the_relay_through_the_pool(served):
         assert httpx.post(f"{server.url}/run", json={"letters": "i"}, timeout=30).status_code == 422
     finally:
         server.stop()
+
+
+def test_a_push_between_two_calls_gives_v_then_v_plus_1(served):
+    """Token capture through the real engine: a session's first answer is sampled at the pool's version, a push
+    lands, and the next answer's tokens carry the new version; the trajectory keeps each token's version (the
+    pool is put back at its version afterwards: the serving tests expect 0)."""
+    from model_weights import model_tensors
+    from test_faults import bucket_refs
+
+    from protocol import encode, pack_buckets
+    from services import pool as pool_api
+    from services.models.source import resolve_model
+    from services.pool.session_episode import session_episode
+
+    recipe, _, client = served
+    handle = pool_api.connect(POOL_NAME)
+    model, session = recipe.policy.model_name, {"x-inflight-session": f"push-{uuid.uuid4().hex[:6]}"}
+    messages = [{"role": "user", "content": "Say hello."}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True,
+                                           extra_headers=session)
+    version = first.model_extra["policy_versions"][0][0]["version"]
+    manifest, buckets = pack_buckets(list(model_tensors(resolve_model(model))), version + 1, 1 << 20)
+    try:
+        assert handle.push.remote(encode(manifest), bucket_refs(buckets)).result(timeout_s=300).version == version + 1
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Again."}]
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4, extra_headers=session)
+        episode = session_episode(handle.take_session.remote(session["x-inflight-session"]).result(timeout_s=30), 1.0)
+    finally:
+        back, back_buckets = pack_buckets(list(model_tensors(resolve_model(model))), version, 1 << 20)
+        handle.push.remote(encode(back), bucket_refs(back_buckets), reset=True).result(timeout_s=300)
+    t = episode.trajectory
+    sampled = t.sampled_versions.tolist()
+    assert set(sampled) == {version, version + 1} and sampled == sorted(sampled), sampled
+    assert sampled.count(version) == len(first.choices[0].logprobs.content)  # the first answer's tokens, all of v
