@@ -20,6 +20,7 @@ import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
 from protocol.images import PromptImage
+from rollout.completion_order import in_completion_order
 from rollout.config import GenerationConfig
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import BoundedEnvironment
@@ -234,14 +235,8 @@ class RolloutEngine:
 
     async def generate(self, requests: list[PromptRequest], group_size: int) -> AsyncIterator[TrajectoryGroup]:
         """Generate a group per request concurrently; yield each group as soon as it is complete."""
-        tasks = [asyncio.create_task(self.generate_group(r, group_size)) for r in requests]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async for group in in_completion_order(self.generate_group(r, group_size) for r in requests):
+            yield group
 
     async def evaluate(self, requests: list[PromptRequest], group_size: int,
                        temperature: float) -> list[TrajectoryGroup | BaseException]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
+from rollout.completion_order import in_completion_order
 from rollout.episodes.episode import failed_trajectory
 from services.pool.openai_api import rollout_key
 from services.pool.session_episode import SessionBroken, session_episode
@@ -122,14 +123,8 @@ class AgentDriver:
 
     async def generate(self, requests: Sequence[PromptRequest], group_size: int) -> AsyncIterator[TrajectoryGroup]:
         """One group per request, played concurrently; each yielded as soon as it is complete."""
-        tasks = [asyncio.create_task(self.group(r, group_size)) for r in requests]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async for group in in_completion_order(self.group(r, group_size) for r in requests):
+            yield group
 
     async def evaluate(self, requests: Sequence[PromptRequest],
                        group_size: int) -> list[TrajectoryGroup | BaseException]:
