@@ -107,6 +107,8 @@ class ChatServer:
             return
         if isinstance(result, ChatCompletionResponse):
             body = result.model_dump()
+            for c in body.get("choices", ()):
+                _name_reasoning(c.get("message") or {})
             body["policy_versions"] = [[asdict(s) for s in c.spans] for c in self._captured(rid, session)]
             yield ChatHead(200, False, version)
             yield json.dumps(body)
@@ -145,13 +147,15 @@ class ChatServer:
 
     def _with_versions(self, chunk: str, rid: str) -> str:
         """An SSE chunk of ``rid`` in which choices finish, with each one's ``policy_versions`` (the spans of its
-        output tokens, as a plain answer carries them); other chunks as they are."""
+        output tokens, as a plain answer carries them), reasoning also as ``reasoning_content``; other chunks as
+        they are."""
         if not chunk.startswith("data: {"):
             return chunk  # "data: [DONE]"
         body = json.loads(chunk[len("data: "):])
+        named = [_name_reasoning(c.get("delta") or {}) for c in body.get("choices", ())]
         finishing = [c for c in body.get("choices", ()) if c.get("finish_reason")]
         if not finishing:
-            return chunk
+            return f"data: {json.dumps(body)}\n\n" if any(named) else chunk
         captured = self.client.captured.get(rid)
         for c in finishing:
             choice = captured.choices.get(c["index"]) if captured is not None else None
@@ -168,6 +172,15 @@ class ChatServer:
     def take_session(self, session: str) -> list[CapturedCompletion]:
         """The completions served in ``session`` on this engine, in the order they finished (forgotten here)."""
         return self.sessions.take(session)
+
+
+def _name_reasoning(message: dict[str, Any]) -> bool:
+    """Give a message's (or delta's) ``reasoning`` (vLLM 0.32's name) also as ``reasoning_content`` (the name of
+    DeepSeek's API and of vLLM before 0.32, which agents read); whether it had any."""
+    if message.get("reasoning") is None:
+        return False
+    message["reasoning_content"] = message["reasoning"]
+    return True
 
 
 def _end_of_turn_ids(llm: Any) -> set[int]:

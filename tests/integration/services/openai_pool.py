@@ -14,7 +14,7 @@ TOKEN = "openai-admin-token"
 CHAT = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"
 OVERRIDES = (f"rollout_pool.name={POOL_NAME}", "rollout_pool.num_engines=1", "rollout_pool.route_prefix=/openai-pool",
              "policy.generation.vllm_cfg.expose_http_server=true", f"{CHAT}.enable_auto_tools=true",
-             f"{CHAT}.tool_parser=hermes",
+             f"{CHAT}.tool_parser=hermes", f"{CHAT}.reasoning_parser=granite",  # granite's marks are text
              "policy.max_total_sequence_length=1024")  # the tools turn of the tiny tokenizer is ~300 tokens
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
 WEATHER = {"type": "function", "function": {
