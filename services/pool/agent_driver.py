@@ -217,7 +217,7 @@ def _checked_reward(value: Any, name: str) -> float:
 
 def _shared_prompt(sessions: list[list[CapturedCompletion]], fallback: np.ndarray) -> list[int]:
     """The longest token prefix of the group's first prompts (what every episode begins with); ``fallback`` (the
-    data prompt) when no episode made a call."""
+    data prompt) when no episode made a call or the first prompts share no token."""
     firsts = [min(calls, key=lambda c: len(c.prompt_token_ids)).prompt_token_ids for calls in sessions if calls]
     if not firsts:
         return [int(t) for t in fallback]
@@ -225,4 +225,4 @@ def _shared_prompt(sessions: list[list[CapturedCompletion]], fallback: np.ndarra
     for ids in firsts[1:]:
         n = next((i for i, (a, b) in enumerate(zip(prefix, ids, strict=False)) if a != b), min(len(prefix), len(ids)))
         prefix = prefix[:n]
-    return prefix
+    return prefix or [int(t) for t in fallback]  # no token in common: each episode is refused against the data's

@@ -325,10 +325,12 @@ class RolloutPool:
         ``x-inflight-policy-version`` is the version that engine served when it admitted the request."""
         self._ensure_started()
         try:
-            session = check_session(request.headers.get(SESSION_HEADER), self._openai_gate(authorization))
+            bound = self._openai_gate(authorization)
+            session = check_session(request.headers.get(SESSION_HEADER), bound)
             body = await request.body()
             check_chat_body(body, ChatLimits(self.recipe.policy.max_total_sequence_length))
-            self._chats.refuse_if_full()
+            if bound is None:  # an agent the driver runs waits for a place (the driver bounds its episodes)
+                self._chats.refuse_if_full()
             eid = self._chat_routes.engine_for(session, self.fleet.serving(), self.fleet.table.up())
             if eid is None:
                 raise OpenAIError(503, f"pool {self.name!r}: no engine serving version {self.fleet.version}",

@@ -163,8 +163,17 @@ def test_chat_places_refuse_when_full_and_count_every_place_given_back():
         places.give_back("ok")
         await places.take()
         places.give_back("engine_error")
+        await places.take()
+        await places.take()
+        waiting = asyncio.create_task(places.take())  # an agent's call waits for a place instead of a 429
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        places.give_back("ok")
+        await asyncio.wait_for(waiting, 1)
+        places.give_back("ok")
+        places.give_back("ok")
 
     asyncio.run(scenario())
     assert registry.get_sample_value("running") == 0
     assert {o: registry.get_sample_value("answered_total", {"outcome": o}) for o in ("ok", "engine_error", "hung_up")} \
-        == {"ok": 1, "engine_error": 1, "hung_up": 1}
+        == {"ok": 4, "engine_error": 1, "hung_up": 1}

@@ -146,3 +146,18 @@ def test_load_agent_refuses_what_is_not_run_task_client(tmp_path):
         with pytest.raises(ValueError, match=r"env\.calc\.agent") as err:
             load_agent(f"{f}:{name}", "calc")
         assert words in str(err.value)
+
+
+async def strangers(task: dict, client) -> float:
+    """Each episode begins with a prompt of its own: the group's episodes share no token."""
+    RUNNING["most"] += 1
+    served(session_of(client), [100 + RUNNING["most"], *PROMPT], [10], 0)
+    return 1.0
+
+
+def test_episodes_that_share_no_token_are_refused_against_the_data_prompt():
+    d = driver("strangers")
+    group = play(d, {}, group_size=2)
+    assert group.prompt_ids.tolist() == PROMPT[:2]  # the data's prompt: no shared prefix to lay the group on
+    for t in group.trajectories:
+        assert not t.ok and "call 0's prompt does not begin with the group's prompt" in t.error
