@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -244,7 +245,7 @@ def test_a_plain_agent_loops_re_rendered_answers_are_spliced_into_one_trajectory
     from services.models.source import resolve_model
     from services.pool.session_episode import session_episode
 
-    recipe, _, client = served
+    recipe, url, client = served
     model = recipe.policy.model_name
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
     messages, sent, users = list(MESSAGES), [], ["Go on.", "And then?"]
@@ -272,4 +273,14 @@ def test_a_plain_agent_loops_re_rendered_answers_are_spliced_into_one_trajectory
     for k, user in enumerate(users):
         end = "" if sampled[k][-1] == tokenizer.eos_token_id else "<|im_end|>"
         assert tokenizer.decode(added[k]) == f"{end}\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    spliced = sum(r != c.prompt_token_ids for r, c in zip(rendered[1:], calls[1:], strict=True))
+    deadline = time.monotonic() + 60
+    while _spliced(url) < spliced and time.monotonic() < deadline:  # engine stats reach /metrics each period
+        time.sleep(1)
+    assert _spliced(url) >= spliced, "the splices are not counted on /metrics"
+
+
+def _spliced(url: str) -> float:
+    """``inflight_openai_answers_spliced_total``."""
+    return sum(s.value for s in scrape(url).get("inflight_openai_answers_spliced", []) if s.name.endswith("_total"))
 
