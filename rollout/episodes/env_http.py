@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rollout.episodes.environment import ROLES, EnvStep, Message, Turn
+from rollout.episodes.env_answers import AttemptFailed, read_messages, read_step, required_field, show
+from rollout.episodes.environment import EnvStep, Message, Turn
 
 FAILURE_KINDS: tuple[str, ...] = ("timeout", "http_5xx", "http_4xx", "malformed", "connection")
 """How a call can fail; each is a counter of :class:`EnvCallStats` and an outcome of the metrics."""
@@ -104,14 +105,6 @@ class EnvironmentCallError(RuntimeError):
         self.kind = kind
 
 
-class _Failed(Exception):
-    """One attempt failed: ``kind``, ``detail`` (what happened) and the answer's ``body`` where there is one."""
-
-    def __init__(self, kind: str, detail: str, body: str = ""):
-        super().__init__(detail)
-        self.kind, self.detail, self.body = kind, detail, body
-
-
 class HttpEnvironment:
     """The environment server at ``url`` as an :class:`~rollout.episodes.environment.AsyncEnvironment`; see the module
     docstring. ``name`` is in every failure reason and names the counters. ``max_retries`` attempts follow the
@@ -164,7 +157,7 @@ class HttpEnvironment:
         """``POST /reset``: the episode's state (an :class:`HttpState`) and its first messages."""
         def parse(answer: dict[str, Any]) -> tuple[HttpState, list[Message]]:
             state = required_field(answer, "state")
-            return HttpState(state), _messages(answer.get("messages", []), "messages")
+            return HttpState(state), read_messages(answer.get("messages", []), "messages")
 
         return await self.call("reset", {"task": task}, parse)
 
@@ -176,7 +169,7 @@ class HttpEnvironment:
 
         def parse(answer: dict[str, Any]) -> EnvStep:
             new_state = required_field(answer, "state")
-            got = _step(answer)
+            got = read_step(answer)
             state.value = new_state
             return got
 
@@ -226,12 +219,12 @@ class HttpEnvironment:
                 try:
                     result = parse(await self._attempt(endpoint, content))
                     break
-                except _Failed as exc:
+                except AttemptFailed as exc:
                     if exc.kind not in RETRIED_KINDS or attempts > self.max_retries:
                         raise
                 self.stats.retries += 1
                 await self._sleep(self.backoff_s(attempts))
-        except _Failed as exc:
+        except AttemptFailed as exc:
             setattr(self.stats, exc.kind, getattr(self.stats, exc.kind) + 1)
             reason = f"{self.where}: POST /{endpoint}: {self._describe(exc, attempts)}"
             raise EnvironmentCallError(reason, exc.kind) from None
@@ -257,25 +250,25 @@ class HttpEnvironment:
                 async with asyncio.timeout(self.timeout_s):
                     response = await client.post(f"{self.url}/{endpoint}", content=content, headers=_JSON_HEADERS)
             except (TimeoutError, httpx.TimeoutException):
-                raise _Failed("timeout", "timed out") from None
+                raise AttemptFailed("timeout", "timed out") from None
             except httpx.TransportError as exc:
-                raise _Failed("connection", _error_text(exc)) from None
+                raise AttemptFailed("connection", _error_text(exc)) from None
             finally:
                 self.stats.in_flight -= 1
         status = response.status_code
         if status >= 500:
-            raise _Failed("http_5xx", f"HTTP {status}", _body_text(response))
+            raise AttemptFailed("http_5xx", f"HTTP {status}", _body_text(response))
         if not 200 <= status < 300:
-            raise _Failed("http_4xx", f"HTTP {status}", _body_text(response))
+            raise AttemptFailed("http_4xx", f"HTTP {status}", _body_text(response))
         try:
             answer = json.loads(response.content)
         except ValueError as exc:
-            raise _Failed("malformed", f"answered malformed JSON ({exc}): {_clip(response.text)!r}") from None
+            raise AttemptFailed("malformed", f"answered malformed JSON ({exc}): {_clip(response.text)!r}") from None
         if not isinstance(answer, dict):
-            raise _Failed("malformed", f"answered {_show(answer)}, expected a JSON object")
+            raise AttemptFailed("malformed", f"answered {show(answer)}, expected a JSON object")
         return answer
 
-    def _describe(self, exc: _Failed, attempts: int) -> str:
+    def _describe(self, exc: AttemptFailed, attempts: int) -> str:
         n = f"{attempts} attempt{'' if attempts == 1 else 's'}"
         if exc.kind == "timeout":
             return f"timed out after {self.timeout_s:g}s ({n})"
@@ -303,7 +296,7 @@ def _encode(body: dict[str, Any]) -> bytes:
     try:
         return json.dumps(body, allow_nan=False, default=_jsonable, separators=(",", ":")).encode()
     except (TypeError, ValueError) as exc:
-        raise _Failed("malformed", f"request is not JSON-serializable: {exc}") from None
+        raise AttemptFailed("malformed", f"request is not JSON-serializable: {exc}") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -312,71 +305,6 @@ def _jsonable(value: Any) -> Any:
         if callable(getattr(value, method, None)):
             return getattr(value, method)()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-
-
-def bad_answer(where: str, expected: str, value: Any) -> Exception:
-    """A malformed answer at field ``where`` (raise it in a ``parse`` of :meth:`HttpEnvironment.call`)."""
-    return _Failed("malformed", f"answer field {where!r}: expected {expected}, got {_show(value)}")
-
-
-def required_field(answer: dict[str, Any], key: str) -> Any:
-    """``answer[key]``, or a malformed answer naming the missing field."""
-    if key not in answer:
-        raise _Failed("malformed", f"answer has no field {key!r} (fields: {sorted(answer)})")
-    return answer[key]
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _messages(value: Any, where: str) -> list[Message]:
-    if not isinstance(value, list):
-        raise bad_answer(where, "a list of messages", value)
-    out = []
-    for i, m in enumerate(value):
-        at = f"{where}[{i}]"
-        if not isinstance(m, dict):
-            raise bad_answer(at, "an object {role, content}", m)
-        if m.get("role") not in ROLES:
-            raise bad_answer(f"{at}.role", f"one of {list(ROLES)}", m.get("role"))
-        if not isinstance(m.get("content"), str):
-            raise bad_answer(f"{at}.content", "a string", m.get("content"))
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None and not isinstance(m[key], str):
-                raise bad_answer(f"{at}.{key}", "a string or null", m[key])
-        out.append(Message(m["role"], m["content"], m.get("name"), m.get("tool_call_id")))
-    return out
-
-
-def _step(answer: dict[str, Any]) -> EnvStep:
-    done = required_field(answer, "done")
-    if not isinstance(done, bool):
-        raise bad_answer("done", "true or false", done)
-    reward = answer.get("reward")
-    if reward is not None and not _is_number(reward):
-        raise bad_answer("reward", "a number or null", reward)
-    failure = answer.get("failure")
-    if failure is not None and not isinstance(failure, str):
-        raise bad_answer("failure", "a string or null", failure)
-    components = answer.get("components") or {}
-    if not isinstance(components, dict):
-        raise bad_answer("components", "an object of numbers", components)
-    for k, v in components.items():
-        if not _is_number(v):
-            raise bad_answer(f"components.{k}", "a number", v)
-    info = answer.get("info") or {}
-    if not isinstance(info, dict):
-        raise bad_answer("info", "an object of strings and numbers", info)
-    for k, v in info.items():
-        if not (_is_number(v) or isinstance(v, str)):
-            raise bad_answer(f"info.{k}", "a string or a number", v)
-    observation = _messages(answer.get("observation") or [], "observation")
-    try:
-        return EnvStep(observation=observation, reward=reward, done=done, info=info, components=components,
-                       failure=failure)
-    except (TypeError, ValueError) as exc:
-        raise _Failed("malformed", f"answered an invalid step: {exc}") from None
 
 
 def _body_text(response: httpx.Response) -> str:
@@ -390,11 +318,6 @@ def _body_text(response: httpx.Response) -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= BODY_CHARS else text[:BODY_CHARS - 3] + "..."
-
-
-def _show(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _error_text(exc: BaseException) -> str:

@@ -14,7 +14,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from rollout.episodes.env_http import EnvironmentCallError, HttpEnvironment, bad_answer, required_field
+from rollout.episodes.env_answers import bad_answer, required_field
+from rollout.episodes.env_http import EnvironmentCallError, HttpEnvironment
 
 if TYPE_CHECKING:
     from services.pool.agent_driver import AgentSpec
