@@ -27,7 +27,7 @@ class ServingChatKwargs(ConfigModel):
     """vLLM's tool-call parser for the model's format (e.g. ``hermes``, ``llama3_json``, ``qwen3_coder``)."""
     reasoning_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     """vLLM's reasoning parser (e.g. ``qwen3``, ``deepseek_r1``): the answer's thinking is returned apart, as
-    ``reasoning_content``. None: the whole text is the answer's ``content``."""
+    ``reasoning`` and ``reasoning_content``. None: the whole text is the answer's ``content``."""
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> ServingChatKwargs:

@@ -4,9 +4,10 @@ An agent's episode is the calls it made under one ``x-inflight-session`` id (:mo
 Each later call's prompt must begin with the earlier call's prompt and the tokens that call sampled, exactly: what
 follows them is the environment's turn (tool results, the user's next message, the chat template's turn markers),
 kept as context with loss mask 0. The tokens are laid out by the engine's own
-:class:`~rollout.episodes.episode.EpisodeTokens`. An agent that edits its history (drops a turn, rewrites an
-answer, or has its answer rendered back to other tokens) breaks that; the episode is then refused with the call
-and the first position that differ, never re-tokenized.
+:class:`~rollout.episodes.episode.EpisodeTokens`. An answer the chat template rendered back to other tokens
+has been spliced back as sampled by the engine (:mod:`services.pool.session_splice`); an agent that edits its
+history (drops a turn, rewrites an answer) breaks the line, and the episode is then refused with the call and the
+first position that differ, never re-tokenized.
 """
 from __future__ import annotations
 
