@@ -26,7 +26,7 @@ from learner.config import TrainStepConfig
 from learner.hf_config import VisionSpec
 from learner.logprobs import response_slices
 from learner.loss import TokenInputs, group_advantages
-from learner.mrope_positions import ImageInputs, mrope_positions
+from learner.mrope_positions import ImageInputs, image_runs
 from learner.packing import MicroBatch
 from learner.reward_shaping import shaped_group_rewards
 from protocol.messages import Trajectory, TrajectoryGroup
@@ -109,7 +109,7 @@ def prompt_images(group: TrajectoryGroup, images: dict[str, ImageInputs] | None,
     if mine is not None:
         mine.check(vision, where)
     try:
-        mrope_positions(group.prompt_ids, int(group.prompt_ids.size), mine, vision)
+        image_runs(group.prompt_ids, int(group.prompt_ids.size), mine, vision)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     return mine

@@ -10,7 +10,7 @@ expert's ``[gate; up]``, as ``local_experts.j.linear_fc1.weight``) and ``weight2
 the ``grouped_gemm`` package and bf16, ``TEGroupedMLP`` Transformer Engine: neither is on these machines.
 
 The HF mapping (:func:`shard_from_hf`, :func:`hf_from_whole`) stacks / unstacks the checkpoint's
-``mlp.experts.e.{gate,up,down}_proj.weight``; export all-gathers the stacks over EP (:mod:`learner.hf_weights`).
+``mlp.experts.e.{gate,up,down}_proj.weight``; export all-gathers the stacks over EP (:mod:`learner.hf_export`).
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ Qwen2 language model with multimodal RoPE (``mrope_section``) and a vision tower
 read from either layout: the published one (text fields at the top, ``rope_scaling: {type: mrope}``)
 and the one transformers ≥ 5 writes (``text_config``, ``rope_parameters.mrope_section``).
 ``nemotron_h`` (Nemotron-H: Mamba2 / attention / MLP / MoE layers by a pattern) is read by
-:mod:`learner.nemotron_h_config` into :attr:`HFArchitecture.hybrid`.
+:mod:`learner.nemotron_h_config` into :attr:`HFArchitecture.hybrid`. ``nemotron_h_omni`` (Nemotron-3-Nano-Omni) is
+its ``text_config``, a Nemotron-H, with the RADIO vision side (:class:`~learner.radio_spec.RadioSpec`) and plain
+positions for image tokens (no RoPE); audio is not supported.
 
 Anything the learner would compute differently from transformers and vLLM — another activation,
 RoPE type, a sliding window, o_proj/MLP biases, partial rotary — is refused with a ``ValueError``
@@ -27,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from learner.nemotron_h_config import HybridSpec, parse_nemotron_h
+from learner.radio_spec import MODEL_TYPE as OMNI_MODEL_TYPE
+from learner.radio_spec import RadioSpec
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "qwen2_5_vl", "nemotron_h")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "qwen2_5_vl", "nemotron_h",
+                         OMNI_MODEL_TYPE)
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -50,9 +55,11 @@ class VisionSpec:
     """The vision side of a vision-language ``config.json``: the special tokens and the tower's patch geometry."""
 
     image_token_id: int
-    """The placeholder token whose positions receive the tower's embeddings (``<|image_pad|>``)."""
-    video_token_id: int
-    vision_start_token_id: int
+    """The placeholder token whose positions receive the tower's embeddings (``<|image_pad|>``, ``<image>``)."""
+    video_token_id: int | None
+    """The video placeholder (videos are refused); None: the model has none."""
+    vision_start_token_id: int | None
+    """``<|vision_start|>`` (Qwen2.5-VL); None where ``config.json`` names none (Nano-Omni's ``<img>``)."""
     spatial_merge_size: int
     """Patches merged per side into one language-model token (2: four patches per token)."""
     patch_size: int
@@ -64,6 +71,9 @@ class VisionSpec:
     hidden_size: int
     config: dict = field(default_factory=dict, compare=False, repr=False)
     """``config.json``'s ``vision_config`` as it is: what transformers builds the tower from."""
+    mrope: bool = True
+    """Image tokens take multimodal rotary positions (Qwen2.5-VL); false: the sequence's plain positions (Nano-Omni,
+    whose language model has no RoPE)."""
 
     @property
     def patch_dim(self) -> int:
@@ -104,6 +114,8 @@ class HFArchitecture:
     """The vision tower of a vision-language model, or None (a text-only model)."""
     hybrid: HybridSpec | None = None
     """Nemotron-H's layer pattern and Mamba2/MoE fields, or None (every layer attention + MLP)."""
+    radio: RadioSpec | None = None
+    """Nano-Omni's RADIO vision tower and projector (``vision`` then holds its patch geometry), or None."""
 
     @property
     def is_moe(self) -> bool:
@@ -148,6 +160,9 @@ class HFArchitecture:
             parts.append(f"{self.num_experts} experts top-{self.moe_top_k} (sigmoid, expert bias, "
                          f"×{h.routed_scaling_factor:g}) + shared {h.shared_expert_intermediate_size}")
         parts.append("tied embeddings" if self.tie_word_embeddings else "untied embeddings")
+        if self.radio is not None and self.vision is not None:
+            parts.append(f"RADIO tower {self.vision.depth} blocks × {self.vision.hidden_size}, patch "
+                         f"{self.vision.patch_size}, pixel shuffle {self.radio.downsample_ratio:g}")
         return f"{self.model_type}: " + ", ".join(parts)
 
 
@@ -222,6 +237,8 @@ def parse_hf_config(cfg: dict) -> HFArchitecture:
     try:
         if cfg.get("model_type") == "nemotron_h":
             return _parse_nemotron_h(cfg)
+        if cfg.get("model_type") == OMNI_MODEL_TYPE:
+            return _parse_omni(cfg)
         return _parse_vision_language(cfg) if cfg.get("model_type") in VISION_LANGUAGE_TYPES else _parse(cfg)
     except KeyError as err:
         raise ValueError(f"config.json: required field {err} is missing") from None
@@ -316,6 +333,20 @@ def _parse_nemotron_h(cfg: dict) -> HFArchitecture:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False, qk_norm=False,
         hybrid=spec, **moe)
+
+
+def _parse_omni(cfg: dict) -> HFArchitecture:
+    """Nemotron-3-Nano-Omni: the Nemotron-H of ``text_config`` (or the published ``llm_config``) with the RADIO side."""
+    radio = RadioSpec.of(cfg)
+    lm = _parse_nemotron_h({**(cfg.get("text_config") or cfg["llm_config"]), "model_type": "nemotron_h"})
+    video = cfg.get("video_token_id", cfg.get("video_context_token_id"))
+    vis = radio.vision_config
+    vision = VisionSpec(
+        image_token_id=radio.image_token_id, video_token_id=video if isinstance(video, int) else None,
+        vision_start_token_id=None, spatial_merge_size=radio.merge, patch_size=radio.patch_size,
+        temporal_patch_size=1, in_channels=int(vis.get("num_channels", 3)), out_hidden_size=lm.hidden_size,
+        depth=int(vis.get("num_hidden_layers", 0)), hidden_size=radio.vision_hidden_size, config=vis, mrope=False)
+    return replace(lm, model_type=OMNI_MODEL_TYPE, vision=vision, radio=radio)
 
 
 def read_hf_architecture(model_path: str | os.PathLike) -> HFArchitecture:

@@ -141,7 +141,7 @@ def hybrid_tensors_from_shards(name: str, arch: HFArchitecture, shards: list[tor
                                expert: int | None = None) -> list[tuple[str, torch.Tensor]]:
     """Invert :func:`hybrid_shard_from_hf`: the TP shards of ``name`` (rank order; one whole tensor for a
     replicated one or an expert, ``expert`` its global index) → HF ``(name, tensor)`` pairs."""
-    from learner.hf_weights import _split_qkv
+    from learner.hf_export import _split_qkv
 
     if name == "embedding.word_embeddings.weight":
         return [(PREFIX + "embeddings.weight", torch.cat(shards))]

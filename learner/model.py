@@ -248,9 +248,12 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
         kind = "hybrid" if arch.hybrid is not None else "vision-language"
         raise ValueError(f"pipeline_model_parallel_size={pp}: pipeline parallelism is implemented for decoder-only "
                          f"GPT families; model_type {arch.model_type!r} ({kind}) needs pipeline_model_parallel_size 1")
+    core = attention.core_attention
+    if arch.radio is not None:  # Nano-Omni: Nemotron-H with the RADIO tower inside (learner.omni_model)
+        from learner.omni_model import build_omni_model
+        return build_omni_model(arch, megatron, core, freeze_vision_tower)  # pyright: ignore[reportReturnType]
     if arch.hybrid is not None:  # Nemotron-H: Mamba2 / attention / MLP / MoE layers (learner.hybrid_model)
         from learner.hybrid_model import build_hybrid_model
-        core = spec.submodules.self_attention.submodules.core_attention  # pyright: ignore[reportAttributeAccessIssue]
         # a MambaModel, not a GPTModel: the learner uses only what both have (forward, output_layer, parameters)
         return build_hybrid_model(arch, megatron, core)  # pyright: ignore[reportReturnType]
     scaling = arch.rope_scaling

@@ -11,7 +11,9 @@ Videos are refused (a prompt with video tokens is an error).
 :func:`attach_images` turns a packed :class:`~learner.packing.MicroBatch` into an
 :class:`ImageMicroBatch`: the ``[3, 1, T]`` positions of its segments end to end (each restarts at 0, so
 packing is exact: each sequence attends only to itself), the ``pixel_values`` and ``image_grid_thw`` of its
-images in segment order, and the mask of the positions that receive the vision tower's embeddings.
+images in segment order, and the mask of the positions that receive the vision tower's embeddings. A model
+without mrope (Nano-Omni, ``VisionSpec.mrope`` false) keeps the packed batch's plain positions; its prompts are
+checked the same way (:func:`image_runs`).
 """
 from __future__ import annotations
 
@@ -64,12 +66,11 @@ def image_token_mask(tokens: np.ndarray, prompt_len: int, spec: VisionSpec) -> n
     return mask
 
 
-def mrope_positions(tokens: np.ndarray, prompt_len: int, images: ImageInputs | None,
-                    spec: VisionSpec) -> np.ndarray:
-    """``[3, len(tokens)]`` int64 positions of one sequence (module docstring). ``ValueError`` unless the prompt's
-    image tokens are exactly the ones ``images`` fill, image after image."""
-    n = int(np.asarray(tokens).size)
-    if (np.asarray(tokens)[:prompt_len] == spec.video_token_id).any():
+def image_runs(tokens: np.ndarray, prompt_len: int, images: ImageInputs | None, spec: VisionSpec) -> list[int]:
+    """Where each image's run of placeholder tokens starts in one sequence. ``ValueError`` for a prompt with video
+    tokens, or unless the prompt's image tokens are exactly the ones ``images`` fill, image after image."""
+    tokens = np.asarray(tokens)
+    if spec.video_token_id is not None and (tokens[:prompt_len] == spec.video_token_id).any():
         raise ValueError(f"the prompt holds video tokens (id {spec.video_token_id}): videos are not supported, "
                          f"only images")
     is_image = image_token_mask(tokens, prompt_len, spec)
@@ -77,15 +78,28 @@ def mrope_positions(tokens: np.ndarray, prompt_len: int, images: ImageInputs | N
     if int(is_image.sum()) != sum(counts):
         raise ValueError(f"the prompt has {int(is_image.sum())} image tokens (id {spec.image_token_id}), its "
                          f"images fill {sum(counts)} ({counts} per image)")
-    out = np.empty((3, n), dtype=np.int64)
-    merge = spec.spatial_merge_size
-    grids = images.image_grid_thw.tolist() if images is not None else []
-    pos = i = 0  # next position; next token
-    for k, (count, (t, h, w)) in enumerate(zip(counts, grids, strict=True)):
+    starts, i = [], 0
+    for k, count in enumerate(counts):
         start = i + int(np.argmax(is_image[i:]))  # the first image token from i on
         if not is_image[start:start + count].all():
             raise ValueError(f"image {k} fills {count} tokens, but the prompt's run of image tokens at "
                              f"{start} is shorter")
+        starts.append(start)
+        i = start + count
+    return starts
+
+
+def mrope_positions(tokens: np.ndarray, prompt_len: int, images: ImageInputs | None,
+                    spec: VisionSpec) -> np.ndarray:
+    """``[3, len(tokens)]`` int64 positions of one sequence (module docstring); the checks of :func:`image_runs`."""
+    n = int(np.asarray(tokens).size)
+    starts = image_runs(tokens, prompt_len, images, spec)
+    counts = images.tokens_per_image(spec) if images is not None else []
+    out = np.empty((3, n), dtype=np.int64)
+    merge = spec.spatial_merge_size
+    grids = images.image_grid_thw.tolist() if images is not None else []
+    pos = i = 0  # next position; next token
+    for start, count, (t, h, w) in zip(starts, counts, grids, strict=True):
         out[:, i:start] = pos + np.arange(start - i)
         pos += start - i
         grid = np.stack(np.meshgrid(np.arange(t), np.arange(h // merge), np.arange(w // merge), indexing="ij"))
@@ -113,8 +127,9 @@ class PackedImages:
 
 @dataclass
 class ImageMicroBatch(MicroBatch):
-    """A :class:`MicroBatch` of a vision-language model: ``position_ids`` are ``[3, 1, T]`` (mrope) and
-    ``images`` is None when none of its sequences has one."""
+    """A :class:`MicroBatch` of a vision-language model: ``position_ids`` are ``[3, 1, T]`` (mrope; ``[1, T]``, the
+    packed batch's own, for a model with plain positions) and ``images`` is None when none of its sequences has
+    one."""
 
     images: PackedImages | None = None
 
@@ -127,10 +142,10 @@ class ImageMicroBatch(MicroBatch):
 
 def attach_images(mb: MicroBatch, prompt_lens: list[int], images: list[ImageInputs | None],
                   spec: VisionSpec) -> ImageMicroBatch:
-    """``mb`` with mrope positions and the images of its segments (both lists indexed by sequence index).
-    Positions outside every segment (padding) keep ``mb``'s own, on all three axes."""
+    """``mb`` with the images of its segments and, for an mrope model, mrope positions (both lists indexed by sequence
+    index). Positions outside every segment (padding) keep ``mb``'s own, on all three axes."""
     tokens = mb.tokens[0].cpu().numpy()
-    positions = mb.position_ids.cpu().expand(3, -1).clone().numpy()
+    positions = mb.position_ids.cpu().expand(3, -1).clone().numpy() if spec.mrope else None
     mask = np.zeros(tokens.size, dtype=bool)
     pixels, grids = [], []
     for seg in mb.segments:
@@ -140,11 +155,15 @@ def attach_images(mb: MicroBatch, prompt_lens: list[int], images: list[ImageInpu
             mine.check(spec, f"sequence {seg.index}")
             pixels.append(mine.pixel_values)
             grids.append(mine.image_grid_thw)
-        positions[:, sl] = mrope_positions(tokens[sl], prompt_lens[seg.index], mine, spec)
+        if positions is not None:
+            positions[:, sl] = mrope_positions(tokens[sl], prompt_lens[seg.index], mine, spec)
+        else:
+            image_runs(tokens[sl], prompt_lens[seg.index], mine, spec)
         mask[sl] = image_token_mask(tokens[sl], prompt_lens[seg.index], spec)
     packed = (PackedImages(torch.from_numpy(np.concatenate(pixels)), torch.from_numpy(np.concatenate(grids)),
                            torch.from_numpy(mask)[None]) if pixels else None)
-    return ImageMicroBatch(mb.tokens, torch.from_numpy(positions)[:, None], mb.targets, mb.blocks,
+    position_ids = mb.position_ids if positions is None else torch.from_numpy(positions)[:, None]
+    return ImageMicroBatch(mb.tokens, position_ids, mb.targets, mb.blocks,
                            mb.segments, mb.routing, packed)
 
 

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner import checkpoint, hf_weights, router_replay, seq_filter
+from learner import checkpoint, hf_export, hf_weights, router_replay, seq_filter
 from learner.batch import Sample, StepBatch, collect, split, summary_stats, token_inputs, trained_positions
 from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
-from learner.hf_weights import export_hf_state_dict, load_hf_weights, pack_hf_buckets
+from learner.hf_export import export_hf_state_dict, pack_hf_buckets
+from learner.hf_weights import load_hf_weights
 from learner.logprobs import head_scores, logprob_chunk
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.mismatch_stats import MismatchStats
@@ -352,7 +353,7 @@ class Learner:
 
     def export_weights(self, bucket_bytes: int) -> tuple[WeightManifest, list[WeightBucket]] | None:
         """HF-named weights of version ``policy_version`` in buckets; collective, rank 0 gets them (others None)."""
-        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas)
+        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas, source=self.model_path)
         if state is None:
             return None
         return pack_hf_buckets(state, self.hf_metas, self.policy_version, bucket_bytes)
@@ -361,14 +362,15 @@ class Learner:
         """HF-named weights of version ``policy_version`` on the model's device, in the source checkpoint's
         order, for a collective push; collective, rank 0 gets them (others None). They may be views of the
         parameters: send them before the next :meth:`train_step`."""
-        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas, on_device=True)
+        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas, on_device=True,
+                                     source=self.model_path)
         return None if state is None else list(state.items())
 
     def save_hf(self, path: str) -> None:
         """Write a transformers/vLLM-loadable HF directory (collective; rank 0 writes)."""
-        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas)
+        state = export_hf_state_dict(self.gpt, self.arch, self.hf_metas, source=self.model_path)
         if state is not None:
-            hf_weights.save_hf(state, self.model_path, path)
+            hf_export.save_hf(state, self.model_path, path)
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints

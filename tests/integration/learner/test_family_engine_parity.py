@@ -37,7 +37,7 @@ def _damaged(state: dict[str, torch.Tensor], suffix: str) -> tuple[str, dict[str
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_serves_the_learners_logprobs_after_a_push(frozen_learners, family_models, family):
-    from learner.hf_weights import export_hf_state_dict, pack_hf_buckets
+    from learner.hf_export import export_hf_state_dict, pack_hf_buckets
     from rollout.config import GenerationConfig, VllmConfig
     from rollout.engine import RolloutEngine
     from rollout.rewards.registry import get_reward_fn

@@ -24,7 +24,7 @@ def _learner(model_dir: str, grouped: bool, ep: int = 1):
 
 
 def _run(learner, batch) -> dict:
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     initial = export_hf_state_dict(learner.gpt, learner.arch, learner.hf_metas)
     lps = learner.logprobs(*sequences(4, seed=9))

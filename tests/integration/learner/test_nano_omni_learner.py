@@ -1,17 +1,23 @@
-"""Nano-Omni in Megatron-Core (learner/omni_model.py): the Nemotron-H hybrid model with the RADIO tower and projector,
-loaded from the tiny checkpoint's published names. Its log-probs on image prompts (three image sizes, two images in
-one prompt) and on a text prompt equal float32 transformers' ``NemotronH_Omni_Reasoning_V3`` (prefill dt clamp
-lifted, as for Nemotron-H); other pixels move them far. The tower is frozen by default (no gradient reaches it) and
-trainable when asked (gradients reach every tensor of it a forward uses)."""
+"""Nano-Omni in the learner (learner/omni_model.py through the Learner): the Nemotron-H hybrid model with the RADIO
+tower and projector, loaded from the tiny checkpoint's published names. Its log-probs on packed image prompts (three
+image sizes, two images in one prompt) and a text prompt equal float32 transformers' ``NemotronH_Omni_Reasoning_V3``
+(prefill dt clamp lifted, as for Nemotron-H); other pixels move them far; packing does not change them. HF → Megatron
+→ HF is exact (RADIO's int64 ``summary_idxs`` included). A step trains the language model only (tower frozen, the
+default) or both, and what it saves transformers loads and scores the same."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from learner_batches import make_learner
+from safetensors.torch import load_file
+
+from protocol.messages import Trajectory, TrajectoryGroup
 
 ATOL = 2e-4
 """Learner (Megatron-Core, fp32) vs transformers (fp32) response log-probs, max abs difference."""
 SIZES = [[(64, 96)], [(128, 64), (64, 64)], []]
+"""(height, width) of each prompt's images: 6, 8 + 4 image tokens, and a text prompt."""
 
 
 @pytest.fixture(scope="module")
@@ -22,98 +28,147 @@ def omni_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def megatron():
-    from learner.config import MegatronConfig
-    from learner.model import init_distributed
-
-    cfg = MegatronConfig(precision="float32")
-    init_distributed(cfg, seed=0)
-    return cfg
+def omni_learner(omni_dir):
+    learner = make_learner(omni_dir)  # float32, tower frozen (the default)
+    yield learner
+    learner.shutdown()
 
 
-def build(omni_dir: str, megatron, frozen: bool = True):
-    from learner.attention import core_attention_class, resolve_backend
-    from learner.omni_model import build_omni_model, load_omni_weights, read_omni_architecture
-
-    arch, spec = read_omni_architecture(omni_dir)
-    model = build_omni_model(arch, spec, megatron, core_attention_class(resolve_backend(megatron.attention_backend)),
-                             freeze_vision_tower=frozen)
-    load_omni_weights(model, arch, omni_dir)
-    return model, spec
-
-
-def prompts(omni_dir: str, spec, seed: int = 0):
-    """(token ids with each image's run as the processor writes it, response, packed pixels + grids or None)."""
-    from transformers import AutoTokenizer
-
+def image_inputs(pixels: list[np.ndarray], spec):
+    """The learner's inputs of a prompt's images: RADIO's packed patches and ``(1, rows, cols)`` grids."""
+    from learner.mrope_positions import ImageInputs
     from learner.radio_tower import radio_patches
 
+    parts = [radio_patches(p, spec) for p in pixels]
+    return ImageInputs(torch.cat([x for x, _ in parts]).numpy(),
+                       np.array([[1, *g[0].tolist()] for _, g in parts], dtype=np.int64))
+
+
+def prompts(omni_dir: str, learner, seed: int = 0, sizes=SIZES):
+    """Token ids with each image's run as the processor writes it, responses, the learner's image inputs and the
+    raw (patches, grids) transformers takes."""
+    from transformers import AutoTokenizer
+
+    spec = learner.arch.radio
     tok = AutoTokenizer.from_pretrained(omni_dir)
     rng = np.random.default_rng(seed)
-    out = []
-    for sizes in SIZES:
-        parts = [radio_patches(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), spec) for h, w in sizes]
-        runs = "".join("<img>" + "<image>" * spec.tokens((h // 16, w // 16)) + "</img>" for h, w in sizes)
+    out_p, out_r, out_i = [], [], []
+    for sizes_k in sizes:
+        pixels = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes_k]
+        runs = "".join("<img>" + "<image>" * spec.tokens((h // 16, w // 16)) + "</img>" for h, w in sizes_k)
         ids = tok(f"<|im_start|>user\n{runs}what is it?<|im_end|>\n<|im_start|>assistant\n").input_ids
-        pics = (torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])) if parts else None
-        out.append((ids, np.random.default_rng(seed + 1).integers(3, 400, 12).tolist(), pics))
-    return out
+        out_p.append(np.asarray(ids, dtype=np.int32))
+        out_r.append(rng.integers(3, 400, 12).astype(np.int32))
+        out_i.append(image_inputs(pixels, spec) if pixels else None)
+    return out_p, out_r, out_i
 
 
-def learner_logprobs(model, spec, ids, response, pics) -> torch.Tensor:
-    from learner.attention import packed_row
-    from learner.omni_model import OmniImages
-
-    tokens = torch.tensor([ids + response])
-    images = None if pics is None else OmniImages(pics[0], pics[1], tokens == spec.image_token_id)
-    logits = model(tokens, torch.arange(tokens.shape[1])[None], None, images=images,
-                   packed_seq_params=packed_row([tokens.shape[1]], tokens.device))
-    lps = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, tokens[0, 1:, None])[:, 0]
-    return lps[len(ids) - 1:]
-
-
-def hf_logprobs(omni_dir: str, cases) -> list[np.ndarray]:
+def hf_model(omni_dir: str):
     from transformers import NemotronH_Omni_Reasoning_V3
 
     model = NemotronH_Omni_Reasoning_V3.from_pretrained(omni_dir, dtype=torch.float32).eval()
     for mixer in [m for m in model.modules() if hasattr(m, "time_step_limit")]:
         mixer.time_step_limit = (0.0, float("inf"))
+    return model
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, responses, images) -> list[np.ndarray]:
     out = []
-    for ids, response, pics in cases:
-        tokens = torch.tensor([ids + response])
-        kw = {} if pics is None else dict(pixel_values=pics[0], image_grid_hw=pics[1])
-        with torch.no_grad():
-            logits = model(input_ids=tokens, **kw).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0][len(ids) - 1:].numpy())
+    for ids, response, img in zip(prompt_ids, responses, images, strict=True):
+        tokens = torch.tensor(np.concatenate([ids, response]), dtype=torch.long)[None]
+        kw = {} if img is None else dict(pixel_values=torch.from_numpy(img.pixel_values),
+                                          image_grid_hw=torch.from_numpy(img.image_grid_thw[:, 1:]))
+        logits = model(input_ids=tokens, **kw).logits[0, :-1].float()
+        lps = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0]
+        out.append(lps[len(ids) - 1:].numpy())
     return out
 
 
-def test_logprobs_of_image_prompts_match_transformers(omni_dir, megatron):
-    model, spec = build(omni_dir, megatron)
-    model.eval()
-    cases = prompts(omni_dir, spec)
-    with torch.no_grad():
-        ours = [learner_logprobs(model, spec, *c).numpy() for c in cases]
-        other = [learner_logprobs(model, spec, ids, r, p2).numpy()
-                 for (ids, r, _), (_, _, p2) in zip(cases, prompts(omni_dir, spec, seed=5), strict=True)]
-    ref = hf_logprobs(omni_dir, cases)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref, strict=True))
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(other, ref, strict=True))
-    print(f"\nnano-omni learner vs transformers: max |Δ logprob| {diff:.2e}; with other pixels {moved:.2e}")
-    assert diff <= ATOL and moved > 100 * ATOL
+def max_diff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def test_tower_frozen_by_default_and_trainable_when_asked(omni_dir, megatron):
-    for frozen in (True, False):
-        model, spec = build(omni_dir, megatron, frozen=frozen)
-        model.train()
-        ids, response, pics = prompts(omni_dir, spec)[1]
-        learner_logprobs(model, spec, ids, response, pics).sum().backward()
-        tower = [(n, p) for n, p in model.visual.named_parameters() if "video_patch_projection" not in n]
-        lm = [p for n, p in model.named_parameters() if not n.startswith("visual.")]
-        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lm)
-        if frozen:
-            assert not model.visual.training and all(p.grad is None and not p.requires_grad for _, p in tower)
-        else:
-            assert all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in tower), \
-                [n for n, p in tower if p.grad is None or p.grad.abs().sum() == 0]
+def test_logprobs_of_image_prompts_match_transformers(omni_learner, omni_dir):
+    p, r, images = prompts(omni_dir, omni_learner)
+    ours = omni_learner.logprobs(p, r, images)
+    hf = hf_model(omni_dir)
+    ref = hf_logprobs(hf, p, r, images)
+    others = prompts(omni_dir, omni_learner, seed=5)[2]
+    moved = hf_logprobs(hf, p, r, others)
+    print(f"\nnano-omni learner vs transformers: max |Δ logprob| {max_diff(ours, ref):.2e}; with other pixels "
+          f"{max_diff(moved, ref):.2e}")
+    assert max_diff(ours, ref) <= ATOL and max_diff(moved, ref) > 100 * ATOL
+
+
+def test_packed_image_prompts_equal_unpacked(omni_learner, omni_dir):
+    p, r, images = prompts(omni_dir, omni_learner, seed=1)
+    packed = omni_learner.logprobs(p, r, images)
+    alone = [omni_learner.logprobs([a], [b], [c])[0] for a, b, c in zip(p, r, images, strict=True)]
+    assert max_diff(packed, alone) < 1e-5
+
+
+def test_hf_round_trip_with_the_tower_is_exact(omni_learner, omni_dir):
+    from learner.hf_export import export_hf_state_dict
+
+    source = load_file(f"{omni_dir}/model.safetensors")
+    assert source["vision_model.radio_model.summary_idxs"].dtype == torch.int64
+    exported = export_hf_state_dict(omni_learner.gpt, omni_learner.arch, omni_learner.hf_metas)
+    assert exported is not None and list(exported) == [m.name for m in omni_learner.hf_metas]
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def image_groups(learner, omni_dir: str, num_groups: int = 2, group_size: int = 4):
+    """On-policy groups of image prompts (rewards vary inside each group) and their images by prompt id."""
+    out, by_prompt = [], {}
+    for g in range(num_groups):
+        p, r, images = prompts(omni_dir, learner, seed=10 + g, sizes=[[(64, 64)]] * group_size)
+        lps = learner.logprobs([p[0]] * group_size, r, [images[0]] * group_size)
+        trajs = [Trajectory(x, lp, np.zeros(x.size), float(i % 2)) for i, (x, lp) in enumerate(zip(r, lps, strict=True))]
+        out.append(TrajectoryGroup(f"g{g}", f"p{g}", p[0], trajs, group_size, learner.arch.vocab_size))
+        by_prompt[f"p{g}"] = images[0]
+    return out, by_prompt
+
+
+def params(learner) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(vision side, language model) trainable-or-not parameters, copied (the unused video embedder left out)."""
+    all_ = {k: v.detach().clone() for k, v in learner.gpt.named_parameters() if "video_patch_projection" not in k}
+    tower = {k: v for k, v in all_.items() if k.startswith("visual.")}
+    return tower, {k: v for k, v in all_.items() if k not in tower}
+
+
+def changed(before: dict[str, torch.Tensor], learner) -> int:
+    now = dict(learner.gpt.named_parameters())
+    return sum(not torch.equal(v, now[k].detach()) for k, v in before.items())
+
+
+def test_a_step_with_the_tower_frozen_trains_only_the_language_model(omni_dir):
+    learner = make_learner(omni_dir)
+    try:
+        groups, images = image_groups(learner, omni_dir)
+        tower, lm = params(learner)
+        m = learner.train_step(groups, images)
+        assert m["step_skipped"] == 0 and learner.policy_version == 1 and m["grad_norm"] > 0
+        assert m["gen_kl_error"] < 1e-6  # the step's own forward equals logprobs() on the same images
+        assert changed(tower, learner) == 0 and changed(lm, learner) == len(lm)
+        assert not learner.gpt.visual.training
+    finally:
+        learner.shutdown()
+
+
+def test_a_step_with_the_tower_trained_changes_it_and_saves_it(omni_dir, tmp_path):
+    learner = make_learner(omni_dir, freeze_vision_tower=False)
+    try:
+        groups, images = image_groups(learner, omni_dir)
+        tower, lm = params(learner)
+        m = learner.train_step(groups, images)
+        assert m["step_skipped"] == 0 and m["gen_kl_error"] < 1e-6
+        assert changed(tower, learner) == len(tower) and changed(lm, learner) == len(lm)
+        p, r, imgs = prompts(omni_dir, learner, seed=2)
+        ours = learner.logprobs(p, r, imgs)
+        learner.save_hf(str(tmp_path / "hf"))
+    finally:
+        learner.shutdown()
+    assert max_diff(ours, hf_logprobs(hf_model(str(tmp_path / "hf")), p, r, imgs)) <= ATOL

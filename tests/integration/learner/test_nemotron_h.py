@@ -93,7 +93,7 @@ def test_packed_sequences_score_as_each_alone(hybrid_learners, kind, monkeypatch
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_hf_round_trip_is_exact_with_the_expert_bias(hybrid_learners, kind):
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     model_dir, learner = hybrid_learners[kind]
     source = load_file(f"{model_dir}/model.safetensors")

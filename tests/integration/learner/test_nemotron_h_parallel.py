@@ -38,7 +38,7 @@ def _batch(learner) -> list[TrajectoryGroup]:
 def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_path: str) -> None:
     become_rank(rank, WORLD, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
     from learner.model import shutdown_distributed
     from learner.trainer import Learner
 

@@ -18,7 +18,7 @@ TIMEOUT_S = 240.0
 def _worker(rank: int, port: int, model_dir: str, tp: int, ep: int, batch, out_path: str) -> None:
     become_rank(rank, WORLD, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
     from learner.model import shutdown_distributed
     from learner.trainer import Learner
 
@@ -48,7 +48,7 @@ def _run_two_ranks(model_dir: str, tp: int, ep: int, batch, out_path: str) -> di
 @pytest.mark.parametrize("arch,tp,ep", [("qwen2", 2, 1), ("qwen3_moe", 1, 2)])
 def test_two_ranks_equal_one(arch, tp, ep, tiny_model_dir, tiny_moe_dir, tmp_path):
     from learner.config import SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     model_dir = tiny_model_dir if arch == "qwen2" else tiny_moe_dir
     single = make_learner(model_dir, lr=3e-3, packing=SequencePackingConfig(train_mb_tokens=64),

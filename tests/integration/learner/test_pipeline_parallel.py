@@ -21,7 +21,7 @@ LR = 3e-3
 def _worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> None:
     become_rank(rank, WORLD, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
     from learner.model import shutdown_distributed
     from learner.trainer import Learner
 
@@ -44,7 +44,7 @@ def _worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> None:
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3_moe"])
 def test_two_stages_equal_one_process(family, family_models, tmp_path):
     from learner.config import SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     model_dir = family_models(family)
     single = make_learner(model_dir, lr=LR, packing=SequencePackingConfig(train_mb_tokens=64),

@@ -121,7 +121,7 @@ def test_packed_image_prompts_equal_unpacked(vlm_learner, vlm_dir):
 
 
 def test_hf_round_trip_with_the_vision_tower_is_exact(vlm_learner, vlm_dir):
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     source = load_file(f"{vlm_dir}/model.safetensors")
     assert any(k.startswith("visual.") for k in source)
@@ -196,7 +196,7 @@ def test_a_step_with_the_tower_trained_changes_it_and_exports_it(vlm_dir, tmp_pa
 def _tp_worker(rank: int, port: int, model_dir: str, batch, out_path: str) -> None:
     become_rank(rank, 2, port)
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
     from learner.model import shutdown_distributed
     from learner.trainer import Learner
 
@@ -217,7 +217,7 @@ def test_tensor_parallel_ranks_replicate_the_tower_and_equal_one_rank(vlm_dir, t
     """TP=2 in two gloo processes, the tower trained: the same log-probs, loss, gradient norm (the replicated
     tower counted once) and updated weights as one process."""
 
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     single = make_learner(vlm_dir, freeze_vision_tower=False)
     lps = single.logprobs(*image_prompts(single, vlm_dir))

@@ -16,7 +16,7 @@ ARCHS = ["qwen2", "qwen2_tied", "qwen3", "llama", "llama3", "qwen3_moe", "mistra
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_round_trip_is_exact(frozen_learners, arch):
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     model_dir, learner = frozen_learners[arch]
     source = load_file(f"{model_dir}/model.safetensors")
@@ -66,7 +66,7 @@ def test_tied_checkpoint_with_an_lm_head_copy_exports_it_back(family_models, tmp
     assert "lm_head.weight" not in tensors
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
-    from learner.hf_weights import export_hf_state_dict
+    from learner.hf_export import export_hf_state_dict
 
     learner = make_learner(str(tmp_path / "m"))
     try:

@@ -64,3 +64,26 @@ def test_refusals_name_the_field(edit, field):
     edit(cfg)
     with pytest.raises(ValueError, match=rf"config.json {field}:"):
         parse_hf_config(cfg)
+
+
+def test_nano_omni_is_its_nemotron_h_with_the_radio_side_and_plain_positions(tmp_path):
+    import json
+
+    from services.models.tiny_omni import make_tiny_omni
+
+    cfg = json.loads((make_tiny_omni(tmp_path / "omni", seed=0) / "config.json").read_text())
+    arch = parse_hf_config(cfg)
+    text = parse_hf_config({**cfg["text_config"], "model_type": "nemotron_h"})
+    assert arch.model_type == "nemotron_h_omni" and arch.hybrid == text.hybrid and arch.radio is not None
+    assert (arch.hidden_size, arch.num_layers, arch.vocab_size) == (text.hidden_size, text.num_layers, text.vocab_size)
+    v = arch.vision
+    assert v is not None and not v.mrope and v.image_token_id == cfg["image_token_id"] == arch.radio.image_token_id
+    assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.patch_dim) == (16, 1, 2, 768)
+    assert v.video_token_id == cfg["video_token_id"] and "RADIO tower" in arch.describe()
+    # the published layout: llm_config, vit_hidden_size, img_context_token_id; an audio tower is read past
+    published = {k: v for k, v in cfg.items() if k not in ("text_config", "image_token_id", "vision_hidden_size")}
+    published.update(llm_config=cfg["text_config"], img_context_token_id=cfg["image_token_id"],
+                     vit_hidden_size=cfg["vision_hidden_size"], audio_config={"model_type": "parakeet"})
+    assert parse_hf_config(published).radio == arch.radio
+    with pytest.raises(ValueError, match="needs image_token_id"):
+        parse_hf_config({k: v for k, v in cfg.items() if k != "image_token_id"})

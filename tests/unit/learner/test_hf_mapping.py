@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from learner.hf_config import HFArchitecture
-from learner.hf_weights import (HFCheckpoint, ParallelLayout, _check_tied_output, hf_tensors_from_shards,
-                                megatron_shard_from_hf)
+from learner.hf_export import hf_tensors_from_shards
+from learner.hf_weights import HFCheckpoint, ParallelLayout, _check_tied_output, megatron_shard_from_hf
 
 ARCH = HFArchitecture(model_type="qwen3_moe", vocab_size=16, hidden_size=8, num_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=2, intermediate_size=12, rms_norm_eps=1e-6, rope_theta=1e4,

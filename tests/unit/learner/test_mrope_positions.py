@@ -3,6 +3,7 @@ random prompts with images; packed micro-batches carry each sequence's positions
 do not fit their prompt are refused, naming the group. No model, no Megatron (transformers' config only)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -115,3 +116,31 @@ def test_collect_gives_each_sample_its_prompts_images_and_names_a_group_that_doe
         collect([_group(tokens)], 256, True, TrainStepConfig(), {}, SPEC)
     with pytest.raises(ValueError, match="group g0: prompt 'p0' has images, but the model has no vision tower"):
         collect([_group(tokens)], 256, True, TrainStepConfig(), {"p0": images}, None)
+
+
+PLAIN = dataclasses.replace(SPEC, mrope=False, temporal_patch_size=1, patch_size=16, video_token_id=None)
+"""Nano-Omni's geometry: plain positions, one frame, 16-pixel patches, no video placeholder in config.json."""
+
+
+def test_a_plain_position_model_keeps_the_packed_positions_and_gets_its_images_in_order():
+    rng = np.random.default_rng(8)
+    prompts, images = [], []
+    for n in (1, 0, 2):
+        parts, grids = [rng.integers(3, START, 3)], []
+        for _ in range(n):
+            h, w = 2 * int(rng.integers(1, 4)), 2 * int(rng.integers(1, 4))
+            grids.append((1, h, w))
+            parts += [[START], [IMAGE] * (h * w // 4), [END]]
+        prompts.append(np.concatenate(parts).astype(np.int64))
+        grid = np.array(grids).reshape(-1, 3)
+        images.append(ImageInputs(np.full((int(grid.prod(axis=1).sum()), PLAIN.patch_dim), float(n)), grid)
+                      if n else None)
+    seqs = [np.concatenate([p, [IMAGE, 5]]) for p in prompts]  # a sampled image token is text
+    mb = build_micro_batch(seqs, [0, 1, 2])
+    out = attach_images(mb, [p.size for p in prompts], images, PLAIN)
+    assert torch.equal(out.position_ids, mb.position_ids)  # [1, T], each segment from 0
+    assert out.images is not None and int(out.images.token_mask.sum()) == sum(
+        sum(i.tokens_per_image(PLAIN)) for i in images if i is not None)
+    assert out.images.pixel_values[0, 0] == 1.0 and out.images.pixel_values[-1, 0] == 2.0
+    with pytest.raises(ValueError, match=r"has \d+ image tokens \(id 450\), its images fill 0"):
+        attach_images(mb, [p.size for p in prompts], [None, None, images[2]], PLAIN)

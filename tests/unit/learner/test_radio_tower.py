@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.radio_tower import RadioSpec, RadioVision, radio_patches
+from learner.radio_spec import RadioSpec
+from learner.radio_tower import RadioVision, radio_patches
 from learner.radio_weights import PUBLISHED_PREFIXES, export_radio_weights, load_radio_weights, published_name
 
 SIZES = [(64, 96), (128, 64), (64, 64)]
