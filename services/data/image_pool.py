@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.data.images import ImageFailure, ImageLimits, ImageRef, ImageRules, PreparedImage, prepare_image
+from services.data.images import ImageFailure, ImageLimits, ImageRef, PreparedImage, prepare_image
 
 if TYPE_CHECKING:
+    from services.data.vision_rules import VisionRules
     from services.recipe.data import DataConfig
 
 ImageResult = PreparedImage | ImageFailure
@@ -45,7 +46,7 @@ SHARED_MEMORY = "/dev/shm"
 """Where the workers write pixel values (a RAM file system; the system's temp directory where there is none)."""
 
 
-def prepare_to_file(ref: ImageRef, rules: ImageRules, limits: ImageLimits, base_dir: str | None,
+def prepare_to_file(ref: ImageRef, rules: VisionRules, limits: ImageLimits, base_dir: str | None,
                     path: str) -> ImageResult:
     """In a worker: prepare one image and write its pixel values (raw float32) and then its resized RGB (uint8) to
     ``path``; the result returned through the pipe carries neither (empty arrays of the right widths)."""
@@ -83,7 +84,7 @@ class ImagePool:
     """``num_workers`` processes preparing images by ``rules`` within ``limits`` (default :class:`ImageLimits`);
     see the module docstring."""
 
-    def __init__(self, rules: ImageRules, limits: ImageLimits | None = None, num_workers: int = 8,
+    def __init__(self, rules: VisionRules, limits: ImageLimits | None = None, num_workers: int = 8,
                  max_in_flight: int | None = None, timeout_s: float = 30.0):
         if num_workers < 1:
             raise ValueError(f"num_workers: expected >= 1, got {num_workers}")
@@ -102,13 +103,14 @@ class ImagePool:
     @classmethod
     def for_data(cls, data: DataConfig, model_dir: str) -> ImagePool:
         """A pool of the ``data`` section's settings (workers, deadline, limits, ``image_roots``), with the image
-        processor rules of ``model_dir`` (its ``preprocessor_config.json``)."""
+        rules of ``model_dir`` (:func:`services.data.vision_rules.image_rules`: by its ``config.json``)."""
+        from services.data.vision_rules import image_rules
+
         for k, root in enumerate(data.image_roots):
             if not os.path.isdir(root):
                 raise ValueError(f"data.image_roots[{k}] {root!r}: not a directory")
         roots = tuple(os.path.realpath(r) for r in data.image_roots)
-        return cls(ImageRules.from_pretrained(model_dir), ImageLimits(data.max_image_bytes, data.max_image_pixels,
-                                                                      roots),
+        return cls(image_rules(model_dir), ImageLimits(data.max_image_bytes, data.max_image_pixels, roots),
                    num_workers=data.image_workers, timeout_s=data.image_timeout_s)
 
     def __enter__(self) -> ImagePool:

@@ -3,8 +3,10 @@
 For a vision-language model (``data.image_key`` set) each drawn row's images are prepared by
 :class:`services.data.image_pool.ImagePool` (``data.image_workers`` processes). The first user turn's content becomes a
 list of parts, one ``{"type": "image"}`` per image and then the text, which the model's chat template renders as
-``<|vision_start|><|image_pad|><|vision_end|>``; each ``<|image_pad|>`` is then repeated to the image's token
-count, so the prompt's token ids are the ones the engine and the learner both see. The prompt carries the
+its image placeholder, expanded by the model's rules (:mod:`services.data.vision_rules`) to the image's token count:
+Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>`` has its ``<|image_pad|>`` repeated, Nano-Omni's
+``<image>`` becomes ``<img>`` + ``<image>`` x n + ``</img>`` (what vLLM's processor writes), so the prompt's
+token ids are the ones the engine and the learner both see. The prompt carries the
 resized pixels (:class:`protocol.images.PromptImage`); the learner's pixel values are made from them again
 (:func:`image_inputs`). An image that cannot be used fails its row with :class:`BadImage`, which the prompt source
 counts by kind and skips (docs/multimodal.md).
@@ -20,14 +22,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol.images import PromptImage
+from services.data.images import IMAGE_PAD, ImageRules
+from services.data.vision_rules import OMNI_MODEL_TYPE, VisionRules, expand_placeholders
 
 if TYPE_CHECKING:
     from learner.mrope_positions import ImageInputs
     from services.data.image_pool import ImagePool
-    from services.data.images import ImageRef, ImageRules, PreparedImage
+    from services.data.images import ImageRef, PreparedImage
 
-IMAGE_PAD = "<|image_pad|>"
-"""The Qwen2-VL family's image placeholder token."""
+__all__ = ["IMAGE_PAD", "BadImage", "ImagePrompts", "expand_image_tokens", "image_inputs", "image_token_id",
+           "vision_token_ids"]
 
 
 class BadImage(Exception):
@@ -46,13 +50,25 @@ def image_token_id(model_dir: str) -> int:
     token = engine_image_token(model_dir)
     if token is None:
         raise ValueError(f"data.image_key is set, but {Path(model_dir) / 'config.json'} has no integer "
-                         f"image_token_id: the model is not a vision-language model of the Qwen2-VL family")
+                         f"image_token_id: the model is not a vision-language model (Qwen2-VL family or "
+                         f"Nano-Omni)")
     return token
 
 
 def vision_token_ids(model_dir: str) -> frozenset[int]:
-    """The model's vision special tokens (start, end, image and video placeholders) from its ``config.json``."""
+    """The model's vision special tokens from its ``config.json``: Qwen2-VL's start, end, image and video
+    placeholders; Nano-Omni's ``<img>``, ``</img>`` (its tokenizer), image, video and audio placeholders."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg.get("model_type") == OMNI_MODEL_TYPE:
+        from rollout.vllm_images import image_tokens
+
+        tokens = image_tokens(model_dir)
+        if tokens is None:
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: a {OMNI_MODEL_TYPE} config without an integer "
+                             f"image_token_id or a vision_config")
+        video = cfg.get("video_token_id")
+        return frozenset(t for t in (tokens.start, tokens.end, tokens.image, tokens.audio, video)
+                         if isinstance(t, int))
     keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     return frozenset(int(cfg[k]) for k in keys if isinstance(cfg.get(k), int))
 
@@ -65,7 +81,9 @@ class ImagePrompts:
     refs_of: Callable[[dict], list[ImageRef]]
     """A row's image references (``DataConfig.row_images``)."""
     token_id: int
-    """The ``<|image_pad|>`` token id."""
+    """The image placeholder's token id (``<|image_pad|>``, ``<image>``)."""
+    rules: VisionRules = ImageRules()
+    """The model's image rules, whose ``expansion`` a placeholder becomes (the pool's; Qwen2-VL's by default)."""
 
     def prepare(self, row: dict, base_dir: str | None) -> list[PreparedImage]:
         """The row's images, prepared; :class:`BadImage` for the first that cannot be used (the prompt source counts
@@ -82,8 +100,8 @@ class ImagePrompts:
         return [r for r in out if not isinstance(r, ImageFailure)]
 
     def expand(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> list[int]:
-        """:func:`expand_image_tokens` with this model's placeholder."""
-        return expand_image_tokens(ids, images, self.token_id)
+        """:func:`expand_image_tokens` with this model's placeholder and rules."""
+        return expand_image_tokens(ids, images, self.token_id, self.rules)
 
     @staticmethod
     def with_image_parts(turns: list[dict], count: int) -> list[dict]:
@@ -103,27 +121,18 @@ class ImagePrompts:
         self.pool.close()
 
 
-def expand_image_tokens(ids: Sequence[int], images: Sequence[PreparedImage], token_id: int) -> list[int]:
-    """``ids`` with the ``i``-th placeholder ``token_id`` repeated ``images[i].num_tokens`` times; a template that did
-    not render one placeholder per image is an error naming the counts."""
-    at = [j for j, t in enumerate(ids) if t == token_id]
-    if len(at) != len(images):
-        raise ValueError(f"data.image_key: the chat template rendered {len(at)} {IMAGE_PAD} for {len(images)} "
-                         f"images; it must render one per {{'type': 'image'}} part")
-    out: list[int] = []
-    start = 0
-    for j, image in zip(at, images, strict=True):
-        out.extend(ids[start:j])
-        out.extend([token_id] * image.num_tokens)
-        start = j + 1
-    out.extend(ids[start:])
-    return out
+def expand_image_tokens(ids: Sequence[int], images: Sequence[PreparedImage], token_id: int,
+                        rules: VisionRules | None = None) -> list[int]:
+    """``ids`` with the ``i``-th placeholder ``token_id`` expanded by ``rules`` (default: Qwen2-VL's, repeated) to
+    ``images[i].num_tokens`` image tokens; a template that did not render one placeholder per image is an error
+    naming the placeholder and the counts."""
+    return expand_placeholders(ids, [i.num_tokens for i in images], token_id, rules or ImageRules())
 
 
-def image_inputs(images: Sequence[PromptImage], rules: ImageRules) -> ImageInputs:
-    """The learner's inputs for a prompt's images, made from the pixels the engine was given."""
+def image_inputs(images: Sequence[PromptImage], rules: VisionRules) -> ImageInputs:
+    """The learner's inputs for a prompt's images, made from the pixels the engine was given by the model's
+    rules (``pixel_values`` concatenated, one ``image_grid_thw`` row per image)."""
     from learner.mrope_positions import ImageInputs
-    from services.data.images import process_pixels
 
-    processed = [process_pixels(i.pixels, rules) for i in images]
+    processed = [rules.process(i.pixels) for i in images]
     return ImageInputs(np.concatenate([p for p, _ in processed]), np.stack([g for _, g in processed]))

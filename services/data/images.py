@@ -1,18 +1,21 @@
-"""Prepare one image for a Qwen2-VL / Qwen2.5-VL prompt: read it, validate it, convert it to RGB, resize and
-patchify it by the model's image processor rules, and name it by the sha256 of its encoded bytes.
+"""Prepare one image for a vision-language prompt: read it, validate it, convert it to RGB, resize and patchify it
+by the model's image rules (:class:`services.data.vision_rules.VisionRules`: the Qwen2-VL family's
+:class:`ImageRules` here, Nano-Omni's :class:`services.data.omni_images.OmniImageRules`), and name it by the sha256
+of its encoded bytes.
 
 :func:`prepare_image` never raises for a bad image: it returns an :class:`ImageFailure` whose ``kind`` is one of
 :data:`FAILURE_KINDS` and whose ``reason`` says what was wrong (a missing or empty file, a file over
 ``max_bytes``, bytes that are not an image, a truncated or corrupt file, dimensions over ``max_pixels`` or an aspect
 ratio over 200, a pixel mode with no faithful RGB conversion such as 16-bit or float, a path outside the data's
 directory tree or not a regular file (:mod:`services.data.image_refs`), a format outside :data:`IMAGE_FORMATS`, or
-whatever else a decoder raises). A good one becomes a
-:class:`PreparedImage` holding exactly what ``Qwen2VLImageProcessorPil`` returns for it (``pixel_values``,
-``image_grid_thw``; a unit test compares them) plus its content hash, its sizes and its image-token count.
+whatever else a decoder raises; an image the rules cannot size is ``bad_aspect``). A good one becomes a
+:class:`PreparedImage` holding exactly what the model's processor returns for it (for Qwen2-VL
+``Qwen2VLImageProcessorPil``'s ``pixel_values`` and ``image_grid_thw``; a unit test compares them) plus its
+content hash, its sizes and its image-token count.
 :mod:`services.data.image_pool` runs this in worker processes.
 
-The rules (:class:`ImageRules`, read from the model's ``preprocessor_config.json``): the image is resized to the
-nearest height and width that are multiples of ``patch_size * merge_size`` (28) with the aspect ratio kept, then
+The Qwen2-VL rules (:class:`ImageRules`, read from the model's ``preprocessor_config.json``): the image is resized to
+the nearest height and width that are multiples of ``patch_size * merge_size`` (28) with the aspect ratio kept, then
 scaled so its area lies in ``[min_pixels, max_pixels]`` (the processor's ``smart_resize``), bicubic; the values are
 rescaled by 1/255 and normalised with the CLIP mean and std; the image is cut into 14 x 14 patches, repeated over
 ``temporal_patch_size`` (2) frames, ordered in 2 x 2 merge groups. Modes with transparency are composited on
@@ -35,6 +38,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,8 +53,11 @@ from services.data.image_refs import (
     read_ref,
 )
 
-__all__ = ["FAILURE_KINDS", "IMAGE_FORMATS", "FailureKind", "ImageBatch", "ImageFailure", "ImageLimits", "ImageRef",
-           "ImageRules", "PreparedImage", "batch_images", "prepare_image", "process_pixels", "smart_resize"]
+if TYPE_CHECKING:
+    from services.data.vision_rules import VisionRules
+
+__all__ = ["FAILURE_KINDS", "IMAGE_FORMATS", "IMAGE_PAD", "FailureKind", "ImageBatch", "ImageFailure", "ImageLimits",
+           "ImageRef", "ImageRules", "PreparedImage", "batch_images", "prepare_image", "process_pixels", "smart_resize"]
 
 CONVERTED_MODES = ("RGB", "L", "P", "1", "CMYK", "YCbCr", "LAB", "RGBX")
 """Pillow modes converted to RGB as they are."""
@@ -60,6 +67,8 @@ MAX_ASPECT_RATIO = 200
 """The processor refuses images whose longer side is over 200 times the shorter."""
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_PAD = "<|image_pad|>"
+"""The Qwen2-VL family's image placeholder token."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,27 @@ class ImageRules:
     def factor(self) -> int:
         """Height and width are multiples of this (one image token's side in pixels)."""
         return self.patch_size * self.merge_size
+
+    @property
+    def placeholder(self) -> str:
+        return IMAGE_PAD
+
+    def target_size(self, width: int, height: int) -> tuple[int, int]:
+        """Width and height after :func:`smart_resize`."""
+        h, w = smart_resize(height, width, self)
+        return w, h
+
+    def process(self, rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`process_pixels` by these rules."""
+        return process_pixels(rgb, self)
+
+    def tokens(self, grid_thw: np.ndarray) -> int:
+        """Image tokens of a grid: ``t * h * w / merge_size**2``."""
+        return int(np.prod(grid_thw)) // self.merge_size ** 2
+
+    def expansion(self, token_id: int, num_tokens: int) -> list[int]:
+        """``token_id`` repeated ``num_tokens`` times (the template writes the vision start and end itself)."""
+        return [token_id] * num_tokens
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> ImageRules:
@@ -115,7 +145,8 @@ class PreparedImage:
 
     sha256: str
     pixel_values: np.ndarray
-    """float32 ``[grid_t * grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]``."""
+    """float32, one row per patch: Qwen2-VL ``[grid_t * grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]``,
+    Nano-Omni ``[rows * cols, 3 * 16 * 16]``."""
     image_grid_thw: np.ndarray
     """int64 ``[3]``: temporal, height and width in patches."""
     size: tuple[int, int]
@@ -123,10 +154,10 @@ class PreparedImage:
     resized: tuple[int, int]
     """Width and height after the processor's resize."""
     num_tokens: int
-    """Image tokens in the prompt: ``grid_t * grid_h * grid_w / merge_size**2``."""
+    """Image tokens in the prompt (the rules' ``tokens`` of the grid: ``grid_t * grid_h * grid_w / merge**2``)."""
     num_bytes: int
     rgb: np.ndarray
-    """uint8 ``[height, width, 3]``: the resized image, from which :func:`process_pixels` makes ``pixel_values``
+    """uint8 ``[height, width, 3]``: the resized image, from which the rules' ``process`` makes ``pixel_values``
     (what the engine is given, so that engine and learner start from the same pixels)."""
 
 
@@ -144,10 +175,10 @@ def smart_resize(height: int, width: int, rules: ImageRules) -> tuple[int, int]:
     return h_bar, w_bar
 
 
-def prepare_image(ref: ImageRef, rules: ImageRules, limits: ImageLimits = DEFAULT_LIMITS,
+def prepare_image(ref: ImageRef, rules: VisionRules, limits: ImageLimits = DEFAULT_LIMITS,
                   base_dir: str | None = None) -> PreparedImage | ImageFailure:
     """Read, validate, convert, resize and patchify one image (module docstring); never raises for a bad image: an
-    exception of a decoder is the image's ``corrupt`` failure."""
+    exception of a decoder is the image's ``corrupt`` failure, a size the rules refuse its ``bad_aspect``."""
     data = read_ref(ref, base_dir, limits)
     if isinstance(data, ImageFailure):
         return data
@@ -157,13 +188,15 @@ def prepare_image(ref: ImageRef, rules: ImageRules, limits: ImageLimits = DEFAUL
         if isinstance(img, ImageFailure):
             return img
         width, height = img.size
-        h, w = smart_resize(height, width, rules)
+        try:
+            w, h = rules.target_size(width, height)
+        except ValueError as e:
+            return ImageFailure("bad_aspect", str(e)[:500], digest)
         rgb = np.asarray(img.resize((w, h), resample=rules.resample), dtype=np.uint8)
-        patches, grid = process_pixels(rgb, rules)
+        patches, grid = rules.process(rgb)
     except Exception as e:  # noqa: BLE001 - whatever a decoder raises fails this image alone, with the reason
         return ImageFailure("corrupt", f"decoding failed: {type(e).__name__}: {e}"[:500], digest)
-    return PreparedImage(digest, patches, grid, (width, height), (w, h), int(grid.prod()) // rules.merge_size ** 2,
-                         len(data), rgb)
+    return PreparedImage(digest, patches, grid, (width, height), (w, h), rules.tokens(grid), len(data), rgb)
 
 
 def process_pixels(rgb: np.ndarray, rules: ImageRules) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +270,7 @@ class ImageBatch:
     cu_patches: np.ndarray
     """int64 ``[images + 1]``: where each image's patches start (the last entry is the total)."""
     num_tokens: tuple[int, ...]
-    """Image tokens of each image (its run of ``<|image_pad|>`` in the prompt)."""
+    """Image tokens of each image (its run of the image placeholder in the prompt)."""
 
     @property
     def padding_share(self) -> float:

@@ -1,7 +1,7 @@
 """A run's images on the learner's side: the learner's inputs made again from the pixels a prompt carried.
 
 The engine saw each prompt's resized pixels (:class:`protocol.images.PromptImage`); the learner gets its pixel
-values and grids from the same pixels by the model's image processor rules (:func:`image_inputs`), for the groups
+values and grids from the same pixels by the model's image rules (:func:`image_inputs`), for the groups
 of a step and for the parity probe's fixed sequences, whose continuations never hold a vision token. For text
 data (no ``data.image_key``) there is nothing to make: no inputs, no vision tokens.
 """
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 from protocol import PromptRequest, TrajectoryGroup
 from protocol.images import PromptImage
 from services.data.image_prompts import image_inputs, vision_token_ids
-from services.data.images import ImageRules
+from services.data.vision_rules import image_rules
 
 if TYPE_CHECKING:
     from learner.mrope_positions import ImageInputs
+    from services.data.vision_rules import VisionRules
     from services.recipe.data import DataConfig
 
 
@@ -26,17 +27,18 @@ class LearnerImages:
     """The learner job's image bookkeeping (:mod:`services.job.learner_job`): one object, the same calls for
     text data (where each is a no-op) and for images."""
 
-    rules: ImageRules | None = None
-    """The model's image processor rules; None: text data."""
+    rules: VisionRules | None = None
+    """The model's image rules (:func:`services.data.vision_rules.image_rules`); None: text data."""
     vision_tokens: frozenset[int] = field(default_factory=frozenset)
-    """The model's vision special tokens (start, end, image and video placeholders); empty for text data."""
+    """The model's vision special tokens (:func:`services.data.image_prompts.vision_token_ids`); empty for text
+    data."""
 
     @classmethod
     def of(cls, data: DataConfig, model_path: str) -> LearnerImages:
         """The images of a run on ``data`` with the model at ``model_path`` (text data: none)."""
         if data.image_key is None:
             return cls()
-        return cls(ImageRules.from_pretrained(model_path), vision_token_ids(model_path))
+        return cls(image_rules(model_path), vision_token_ids(model_path))
 
     @property
     def in_use(self) -> bool:

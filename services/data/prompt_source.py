@@ -138,7 +138,8 @@ def image_prompts(recipe: Recipe, model_path: str) -> ImagePrompts | None:
     d = recipe.data
     if d.image_key is None:
         return None
-    return ImagePrompts(ImagePool.for_data(d, model_path), d.row_images, image_token_id(model_path))
+    pool = ImagePool.for_data(d, model_path)
+    return ImagePrompts(pool, d.row_images, image_token_id(model_path), pool.rules)
 
 
 def recipe_tools(recipe: Recipe) -> list[dict] | None:
