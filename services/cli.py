@@ -13,7 +13,7 @@
     inflight export --run-dir DIR [--step N] --out HF_DIR [--overwrite] [--recipe PATH] [key=value ...]
     inflight eval --model HF_DIR [--recipe PATH] | --run-dir DIR [--step N]  [--pass-k K] [--out FILE]   (no training)
     inflight generate --model HF_DIR | --run-dir DIR [--step N]  [--prompts FILE] [-n N] [--max-tokens M]
-    inflight make-tiny-model DIR [--seed N] [--arch qwen2|qwen3|llama|llama3|qwen3_moe|mistral|qwen2_5_vl]
+    inflight make-tiny-model DIR [--seed N] [--arch qwen2|...|qwen2_5_vl|nemotron_h_omni] [--max-positions N]
                                  [--tie-word-embeddings] [--size tiny|small|0.6b]
 
 A NeMo-RL GRPO recipe is accepted as it is (docs/nemo_rl.md): the keys that have no meaning here are listed once
@@ -77,35 +77,6 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
     from services.pool.env_server import serve_environment_main
 
     return serve_environment_main(list(args.args))
-
-
-def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from services.models.tiny_model import make_tiny_model
-    from services.models.tiny_omni import ARCH as OMNI_ARCH
-    from services.models.tiny_omni import OMNI_SIZES, make_tiny_omni
-    from services.models.tiny_vlm import ARCH as VLM_ARCH
-    from services.models.tiny_vlm import VLM_SIZES, make_tiny_vlm
-
-    if args.arch == OMNI_ARCH:
-        if args.size not in OMNI_SIZES or args.tie_word_embeddings:
-            raise UserError(f"--arch {OMNI_ARCH}: --size must be one of {tuple(OMNI_SIZES)} (got {args.size!r}) "
-                            "and --tie-word-embeddings is not offered")
-        out = make_tiny_omni(args.dir, seed=args.seed, dtype=args.dtype)
-        print(f"wrote {OMNI_ARCH}/{args.size} (seed {args.seed}; RADIO vision tower + Nemotron-H, no audio tower) "
-              f"to {out}")
-        return 0
-    if args.arch == VLM_ARCH:
-        if args.size not in VLM_SIZES or args.tie_word_embeddings:
-            raise UserError(f"--arch {VLM_ARCH}: --size must be one of {tuple(VLM_SIZES)} (got {args.size!r}) "
-                            "and --tie-word-embeddings is not offered")
-        out = make_tiny_vlm(args.dir, seed=args.seed, size=args.size, dtype=args.dtype)
-        print(f"wrote {VLM_ARCH}/{args.size} (seed {args.seed}; vision tower + language model) to {out}")
-        return 0
-    out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, size=args.size, dtype=args.dtype,
-                          tie_word_embeddings=args.tie_word_embeddings)
-    tied = ", tied embeddings" if args.tie_word_embeddings else ""
-    print(f"wrote {args.arch}/{args.size} (seed {args.seed}{tied}) to {out}")
-    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -266,11 +237,6 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.models.tiny_model import ARCHS, SIZES
-    from services.models.tiny_omni import ARCH as OMNI_ARCH
-    from services.models.tiny_vlm import ARCH as VLM_ARCH
-    from services.models.tiny_vlm import VLM_SIZES
-
     p = argparse.ArgumentParser(prog="inflight", description="Asynchronous GRPO: vLLM rollout pool + Megatron learner.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -350,19 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="dotted overrides applied to that recipe (with --recipe: the run's)")
     e.set_defaults(func=_cmd_export)
 
-    t = sub.add_parser("make-tiny-model", help="write a random-init HF model + local tokenizer")
-    t.add_argument("dir")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--arch", choices=(*ARCHS, VLM_ARCH, OMNI_ARCH), default="qwen2",
-                   help="model family (llama: Llama 2 layout, llama3: with Llama 3.x RoPE scaling; "
-                        f"{VLM_ARCH}: Qwen2.5-VL, a vision tower + language model with an image processor; "
-                        f"{OMNI_ARCH}: Nemotron-3-Nano-Omni's RADIO tower + Nemotron-H, no audio tower)")
-    t.add_argument("--tie-word-embeddings", action="store_true",
-                   help="share the embedding with the output layer (as Qwen2.5-0.5B/1.5B)")
-    t.add_argument("--size", choices=tuple(dict.fromkeys((*SIZES, *VLM_SIZES))), default="tiny",
-                   help=f"model size ({VLM_ARCH}: {', '.join(VLM_SIZES)})")
-    t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    t.set_defaults(func=_cmd_make_tiny_model)
+    from services.models.command import add_command  # inflight make-tiny-model
+    add_command(sub)
     from services.offline.eval import add_commands  # inflight eval, inflight generate
     add_commands(sub)
     return p

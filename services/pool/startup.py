@@ -42,10 +42,12 @@ def engine_name(pool_name: str, index: int) -> str:
 
 def reason(exc: BaseException) -> str:
     """One line naming the error: the remote exception inside a ``RayTaskError``; of a text of several lines
-    (an ``ActorDiedError`` quotes its constructor's traceback) the last, which names the exception."""
+    (an ``ActorDiedError`` quotes its constructor's traceback) the last that says something, which names the
+    exception (pydantic's closing "For further information visit <url>" says nothing)."""
     cause = getattr(exc, "cause", None)
     exc = cause if isinstance(cause, BaseException) else exc
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in str(exc).splitlines()
+             if ln.strip() and not ln.strip().startswith("For further information visit")]
     return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
 
 
