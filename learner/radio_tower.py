@@ -67,7 +67,8 @@ class RadioVision(torch.nn.Module):
         if any(h % self.spec.merge or w % self.spec.merge for h, w in grids):
             raise ValueError(f"image_grid_hw {grids}: each side must be a multiple of {self.spec.merge}")
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            features = self.vision_model(pixel_values.float(), image_grid_hw=image_grid_hw).features
+            dtype = next(self.vision_model.parameters()).dtype  # float32, or bf16 under Float16Module
+            features = self.vision_model(pixel_values.to(dtype), image_grid_hw=image_grid_hw).features
             parts = features.split([h * w for h, w in grids])
             shuffled = torch.cat([self.pixel_shuffle(f, h, w) for f, (h, w) in zip(parts, grids, strict=True)])
             return self.multi_modal_projector(shuffled)
