@@ -9,7 +9,10 @@ their fixes.
 2. vLLM 0.32's ``extract_feature_dynamic`` casts the RADIO features to bfloat16 whatever the model's dtype, so a
    float32 engine fails in the projector ("expected m1 and m2 to have the same dtype, but got: c10::BFloat16 !=
    float"). :func:`patch_vllm` (called by the ``vllm.general_plugins`` entry point, :mod:`rollout.cpu_moe_plugin`)
-   casts to the language model's dtype instead: the same in a bfloat16 engine.
+   casts to the language model's dtype instead: the same in a bfloat16 engine. vLLM builds the tower in the dtype of
+   ``text_config.dtype`` (``llm_dtype``), not the engine's, while the pixels come in the engine's: a bfloat16 engine
+   on a float32 checkpoint failed in the patch embedder with the same message. The patch casts the pixels to the
+   tower's dtype.
 
 Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 0 items and
 :mod:`rollout.vllm_images` refuses a prompt holding the audio placeholder.
@@ -52,7 +55,8 @@ def patch_vllm() -> None:
         return
 
     def extract_feature_dynamic(self, pixel_values, imgs_sizes):
-        _, vit_embeds = self.vision_model(pixel_values, imgs_sizes=imgs_sizes)
+        tower_dtype = next(self.vision_model.parameters()).dtype  # text_config.dtype, not the engine's dtype
+        _, vit_embeds = self.vision_model(pixel_values.to(tower_dtype), imgs_sizes=imgs_sizes)
         vit_embeds = vit_embeds.to(dtype=self.llm_dtype)  # vLLM 0.32: torch.bfloat16
         if self.vision_final_layernorm is not None:
             vit_embeds = self.vision_final_layernorm(vit_embeds)

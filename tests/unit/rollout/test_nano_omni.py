@@ -77,6 +77,17 @@ def test_engine_arguments(omni_dir):
     assert args["mamba_ssm_cache_dtype"] == "float32" and args["enable_prefix_caching"] is False
 
 
+class Tower(torch.nn.Module):
+    """A float32 stand-in for vLLM's RADIO tower: one linear layer, vLLM's ``(summary, features)`` output."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+
+    def forward(self, pixels, imgs_sizes):
+        return None, self.embed(pixels)
+
+
 def test_patched_feature_extraction_keeps_the_model_dtype():
     from vllm.model_executor.models.nano_nemotron_vl import NemotronH_Nano_VL_V2
     patch_vllm()
@@ -88,7 +99,10 @@ def test_patched_feature_extraction_keeps_the_model_dtype():
     def mlp1(x):
         seen["dtype"] = x.dtype
         return x
-    fake = SimpleNamespace(vision_model=lambda p, imgs_sizes: (None, p), llm_dtype=torch.float32,
+    fake = SimpleNamespace(vision_model=Tower(), llm_dtype=torch.float32,
                            vision_final_layernorm=None, pixel_shuffle_dynamic_res=lambda x, imgs_sizes: x, mlp1=mlp1)
     fn(fake, torch.ones(1, 4, 8), [(32, 32)])
     assert seen["dtype"] == torch.float32  # vLLM 0.32's own cast gives bfloat16
+    # a bfloat16 engine on a float32 checkpoint: the pixels come in bfloat16, the tower is float32 (text_config.dtype)
+    fn(fake, torch.ones(1, 4, 8, dtype=torch.bfloat16), [(32, 32)])
+    assert seen["dtype"] == torch.float32
