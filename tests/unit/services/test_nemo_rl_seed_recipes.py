@@ -1,6 +1,6 @@
 """Issue 36's seed: NeMo-RL's two 32-GPU Nemotron-3-Nano-Omni CLEVR recipes (sync colocated and async 1-off,
 tests/data/nemo_rl/recipes/vlm, unmodified) through ``inflight validate``, with only ``policy.model_name`` moved to
-a local tiny vision-language model and the data to a local CLEVR-CoGenT copy (scripts/make_clevr.py --images hub):
+a local tiny Nano-Omni and the data to a local CLEVR-CoGenT copy (scripts/make_clevr.py --images hub):
 every key kept, mapped or ignored with a reason, none refused, and a short summary."""
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from learner.hf_config import SUPPORTED_MODEL_TYPES
 from services.recipe.config import is_recipe_key, load_recipe_with_report
 from services.recipe.files import read_recipe
 from services.recipe.nemo_rl.rules import translate
@@ -26,19 +25,13 @@ SYNC = VLM / "vlm_grpo-nemotron-omni-30ba3b-clevr-8n4g-megatron-tp1ep8.v1.yaml"
 ASYNC = VLM / "vlm_grpo-nemotron-omni-30ba3b-clevr-8n4g-megatron-tp1ep8-async.v1.yaml"
 CHAIN = [NEMO / "vlm_grpo_3B.yaml", NEMO / "vlm_grpo_3B_megatron.yaml",
          VLM / "vlm_grpo-nemotron-omni-30ba3b-clevr-1n8g-megatron-tp8ep8.v1.yaml", SYNC, ASYNC]
-OMNI = "nemotron_h_omni"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    """The tiny Nano-Omni (make-tiny-model --arch nemotron_h_omni) once the learner reads its family; until then
-    the closest tiny vision-language model Inflight trains, a Qwen2.5-VL (the recipes name no Omni-only key)."""
-    root = tmp_path_factory.mktemp("model")
-    if OMNI in SUPPORTED_MODEL_TYPES:
-        from services.models.tiny_omni import make_tiny_omni
-        return str(make_tiny_omni(root / "omni", max_positions=16384))
-    from services.models.tiny_vlm import make_tiny_vlm
-    return str(make_tiny_vlm(root / "vlm", max_positions=16384))
+    """The tiny Nano-Omni (make-tiny-model --arch nemotron_h_omni --max-positions 16384)."""
+    from services.models.tiny_omni import make_tiny_omni
+    return str(make_tiny_omni(tmp_path_factory.mktemp("model") / "omni", max_positions=16384))
 
 
 @pytest.fixture(scope="module")
