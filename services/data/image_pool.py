@@ -101,9 +101,10 @@ class ImagePool:
         self._names = itertools.count()
 
     @classmethod
-    def for_data(cls, data: DataConfig, model_dir: str) -> ImagePool:
-        """A pool of the ``data`` section's settings (workers, deadline, limits, ``image_roots``), with the image
-        rules of ``model_dir`` (:func:`services.data.vision_rules.image_rules`: by its ``config.json``)."""
+    def for_data(cls, data: DataConfig, model_dir: str, num_workers: int | None = None) -> ImagePool:
+        """A pool of the ``data`` section's settings (workers unless ``num_workers`` is given, deadline, limits,
+        ``image_roots``), with the image rules of ``model_dir`` (:func:`services.data.vision_rules.image_rules`: by
+        its ``config.json``)."""
         from services.data.vision_rules import image_rules
 
         for k, root in enumerate(data.image_roots):
@@ -111,7 +112,7 @@ class ImagePool:
                 raise ValueError(f"data.image_roots[{k}] {root!r}: not a directory")
         roots = tuple(os.path.realpath(r) for r in data.image_roots)
         return cls(image_rules(model_dir), ImageLimits(data.max_image_bytes, data.max_image_pixels, roots),
-                   num_workers=data.image_workers, timeout_s=data.image_timeout_s)
+                   num_workers=num_workers or data.image_workers, timeout_s=data.image_timeout_s)
 
     def __enter__(self) -> ImagePool:
         return self

@@ -130,15 +130,16 @@ def row_prompts(recipe: Recipe, tokenizer, path: str, key: str, id_prefix: str, 
     return RowPrompts(rows, mapper, template, d.max_input_seq_length, key, id_prefix, images, max_chars)
 
 
-def image_prompts(recipe: Recipe, model_path: str) -> ImagePrompts | None:
-    """The image preparation of ``data.image_key`` (None for text data): its worker pool, the model's rules."""
+def image_prompts(recipe: Recipe, model_path: str, num_workers: int | None = None) -> ImagePrompts | None:
+    """The image preparation of ``data.image_key`` (None for text data): its worker pool (``data.image_workers``
+    processes unless ``num_workers`` is given), the model's rules."""
     from services.data.image_pool import ImagePool
     from services.data.image_prompts import image_token_id
 
     d = recipe.data
     if d.image_key is None:
         return None
-    pool = ImagePool.for_data(d, model_path)
+    pool = ImagePool.for_data(d, model_path, num_workers)
     return ImagePrompts(pool, d.row_images, image_token_id(model_path), pool.rules)
 
 
@@ -318,7 +319,10 @@ def validation_prompts(recipe: Recipe, model_path: str, tokenizer=None) -> list[
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     d, n = recipe.data, recipe.grpo.max_val_samples
-    images = image_prompts(recipe, model_path)
+    # Validation prepares its rows one at a time and closes the pool at once: one worker, which has answered by then.
+    # Eight spawned workers, most still starting when the pool closed, printed "FileNotFoundError" from a starting
+    # worker's SemLock._rebuild on the user's terminal (pebble's stop races the spawn).
+    images = image_prompts(recipe, model_path, num_workers=1)
     if d.val_data_path is not None:
         prompts = row_prompts(recipe, tokenizer, d.val_data_path, "data.val_data_path", "val:row-", d.val_split,
                               images=images)
