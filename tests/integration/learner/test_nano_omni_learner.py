@@ -11,13 +11,14 @@ import pytest
 import torch
 from learner_batches import make_learner
 from safetensors.torch import load_file
-
-from protocol.messages import Trajectory, TrajectoryGroup
+from tower_steps import step_and_check
 
 ATOL = 2e-4
 """Learner (Megatron-Core, fp32) vs transformers (fp32) response log-probs, max abs difference."""
 SIZES = [[(64, 96)], [(128, 64), (64, 64)], []]
 """(height, width) of each prompt's images: 6, 8 + 4 image tokens, and a text prompt."""
+VIDEO = "video_patch_projection"
+"""The tower's video embedder: no image reaches it."""
 
 
 @pytest.fixture(scope="module")
@@ -120,40 +121,11 @@ def test_hf_round_trip_with_the_tower_is_exact(omni_learner, omni_dir):
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-def image_groups(learner, omni_dir: str, num_groups: int = 2, group_size: int = 4):
-    """On-policy groups of image prompts (rewards vary inside each group) and their images by prompt id."""
-    out, by_prompt = [], {}
-    for g in range(num_groups):
-        p, r, images = prompts(omni_dir, learner, seed=10 + g, sizes=[[(64, 64)]] * group_size)
-        lps = learner.logprobs([p[0]] * group_size, r, [images[0]] * group_size)
-        trajs = [Trajectory(x, lp, np.zeros(x.size), float(i % 2)) for i, (x, lp) in enumerate(zip(r, lps, strict=True))]
-        out.append(TrajectoryGroup(f"g{g}", f"p{g}", p[0], trajs, group_size, learner.arch.vocab_size))
-        by_prompt[f"p{g}"] = images[0]
-    return out, by_prompt
-
-
-def params(learner) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(vision side, language model) trainable-or-not parameters, copied (the unused video embedder left out)."""
-    all_ = {k: v.detach().clone() for k, v in learner.gpt.named_parameters() if "video_patch_projection" not in k}
-    tower = {k: v for k, v in all_.items() if k.startswith("visual.")}
-    return tower, {k: v for k, v in all_.items() if k not in tower}
-
-
-def changed(before: dict[str, torch.Tensor], learner) -> int:
-    now = dict(learner.gpt.named_parameters())
-    return sum(not torch.equal(v, now[k].detach()) for k, v in before.items())
-
-
 def test_a_step_with_the_tower_frozen_trains_only_the_language_model(omni_dir):
     learner = make_learner(omni_dir)
     try:
-        groups, images = image_groups(learner, omni_dir)
-        tower, lm = params(learner)
-        m = learner.train_step(groups, images)
-        assert m["step_skipped"] == 0 and learner.policy_version == 1 and m["grad_norm"] > 0
-        assert m["gen_kl_error"] < 1e-6  # the step's own forward equals logprobs() on the same images
-        assert changed(tower, learner) == 0 and changed(lm, learner) == len(lm)
-        assert not learner.gpt.visual.training
+        step_and_check(learner, lambda seed, sizes: prompts(omni_dir, learner, seed, [[x] for x in sizes]), (64, 64),
+                       frozen=True, unused=VIDEO)
     finally:
         learner.shutdown()
 
@@ -161,11 +133,8 @@ def test_a_step_with_the_tower_frozen_trains_only_the_language_model(omni_dir):
 def test_a_step_with_the_tower_trained_changes_it_and_saves_it(omni_dir, tmp_path):
     learner = make_learner(omni_dir, freeze_vision_tower=False)
     try:
-        groups, images = image_groups(learner, omni_dir)
-        tower, lm = params(learner)
-        m = learner.train_step(groups, images)
-        assert m["step_skipped"] == 0 and m["gen_kl_error"] < 1e-6
-        assert changed(tower, learner) == len(tower) and changed(lm, learner) == len(lm)
+        step_and_check(learner, lambda seed, sizes: prompts(omni_dir, learner, seed, [[x] for x in sizes]), (64, 64),
+                       frozen=False, unused=VIDEO)
         p, r, imgs = prompts(omni_dir, learner, seed=2)
         ours = learner.logprobs(p, r, imgs)
         learner.save_hf(str(tmp_path / "hf"))

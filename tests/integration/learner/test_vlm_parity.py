@@ -13,8 +13,7 @@ import torch
 from gloo_ranks import become_rank, run_ranks
 from learner_batches import make_learner
 from safetensors.torch import load_file
-
-from protocol.messages import Trajectory, TrajectoryGroup
+from tower_steps import image_groups, step_and_check
 
 ATOL = 1e-4
 SIZES = [(96, 72), (56, 120), (140, 60), None, (64, 64)]
@@ -132,42 +131,10 @@ def test_hf_round_trip_with_the_vision_tower_is_exact(vlm_learner, vlm_dir):
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-def image_groups(learner, model_dir: str, num_groups: int = 2, group_size: int = 4):
-    """On-policy groups of image prompts (rewards vary inside each group) and their images by prompt id."""
-    out, by_prompt = [], {}
-    for g in range(num_groups):
-        prompts, responses, images = image_prompts(learner, model_dir, seed=10 + g, sizes=[(64, 56)] * group_size)
-        lps = learner.logprobs([prompts[0]] * group_size, responses, [images[0]] * group_size)
-        trajs = [Trajectory(r, lp, np.zeros(r.size), float(i % 2))
-                 for i, (r, lp) in enumerate(zip(responses, lps, strict=True))]
-        out.append(TrajectoryGroup(f"g{g}", f"p{g}", prompts[0], trajs, group_size, learner.arch.vocab_size))
-        by_prompt[f"p{g}"] = images[0]
-    return out, by_prompt
-
-
-def split_params(learner) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(vision tower, language model) parameters, copied."""
-    params = {k: v.detach().clone() for k, v in learner.gpt.named_parameters()}
-    tower = {k: v for k, v in params.items() if k.startswith("visual.")}
-    return tower, {k: v for k, v in params.items() if k not in tower}
-
-
-def changed(before: dict[str, torch.Tensor], learner) -> int:
-    now = dict(learner.gpt.named_parameters())
-    return sum(not torch.equal(v, now[k].detach()) for k, v in before.items())
-
-
 def test_a_step_with_the_tower_frozen_trains_only_the_language_model(vlm_dir):
     learner = make_learner(vlm_dir)
     try:
-        groups, images = image_groups(learner, vlm_dir)
-        tower, lm = split_params(learner)
-        assert not any(p.requires_grad for n, p in learner.gpt.named_parameters() if n.startswith("visual."))
-        m = learner.train_step(groups, images)
-        assert m["step_skipped"] == 0 and learner.policy_version == 1 and m["grad_norm"] > 0
-        assert m["gen_kl_error"] < 1e-6  # the step's own forward equals logprobs() on the same images
-        assert changed(tower, learner) == 0 and changed(lm, learner) == len(lm)
-        assert not learner.gpt.visual.training  # eval mode kept through the step's model.train()
+        step_and_check(learner, lambda seed, sizes: image_prompts(learner, vlm_dir, seed, sizes), (64, 56), frozen=True)
     finally:
         learner.shutdown()
 
@@ -177,11 +144,8 @@ def test_a_step_with_the_tower_trained_changes_it_and_exports_it(vlm_dir, tmp_pa
 
     learner = make_learner(vlm_dir, freeze_vision_tower=False)
     try:
-        groups, images = image_groups(learner, vlm_dir)
-        tower, lm = split_params(learner)
-        m = learner.train_step(groups, images)
-        assert m["step_skipped"] == 0 and m["gen_kl_error"] < 1e-6
-        assert changed(tower, learner) == len(tower) and changed(lm, learner) == len(lm)
+        step_and_check(learner, lambda seed, sizes: image_prompts(learner, vlm_dir, seed, sizes), (64, 56),
+                       frozen=False)
         prompts, responses, imgs = image_prompts(learner, vlm_dir, seed=2)
         ours = learner.logprobs(prompts, responses, imgs)
         learner.save_hf(str(tmp_path / "hf"))
@@ -221,7 +185,7 @@ def test_tensor_parallel_ranks_replicate_the_tower_and_equal_one_rank(vlm_dir, t
 
     single = make_learner(vlm_dir, freeze_vision_tower=False)
     lps = single.logprobs(*image_prompts(single, vlm_dir))
-    batch = image_groups(single, vlm_dir)
+    batch = image_groups(single, lambda seed, sizes: image_prompts(single, vlm_dir, seed, sizes), (64, 56))
     metrics = single.train_step(*batch)
     state = export_hf_state_dict(single.gpt, single.arch, single.hf_metas)
     single.shutdown()
