@@ -65,7 +65,7 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
         mode = "async 1-off" if recipe.grpo.async_grpo.enabled else "sync"
         print("\nStep-time breakdown (means over warm steps):\n" + job.log.timing_table(mode))
         print("\nFunctional validation:\n" + job.log.validation_table(mode))
-        print(f"\nledger: {job.book.ledger.summary()}")
+        print(f"\nledger: {job.book.ledger.summary().line()}")
         print(f"metrics: {job.log.path}")
         try:
             print(f"reward curve: {job.log.plot_rewards()}")

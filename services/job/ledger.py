@@ -15,6 +15,24 @@ class LedgerError(RuntimeError):
     """A prompt was trained twice, or finished without being scheduled."""
 
 
+@dataclass(frozen=True)
+class LedgerSummary:
+    """The ledger's counts at one moment."""
+
+    scheduled: int
+    trained: int
+    dropped: int
+    pending: int
+    """Scheduled, neither trained nor dropped yet."""
+    dropped_by_reason: dict[str, int]
+
+    def line(self) -> str:
+        """One line for the operator: ``12 scheduled, 10 trained, 2 dropped (stale 2), 0 pending``."""
+        why = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped_by_reason.items()))
+        dropped = f"{self.dropped} dropped" + (f" ({why})" if why else "")
+        return f"{self.scheduled} scheduled, {self.trained} trained, {dropped}, {self.pending} pending"
+
+
 @dataclass
 class PromptLedger:
     scheduled: dict[str, int] = field(default_factory=dict)
@@ -54,9 +72,9 @@ class PromptLedger:
         return Counter(s for p, s in self.scheduled.items()
                        if dropped_for is None or self.dropped.get(p) == dropped_for)
 
-    def summary(self) -> dict:
-        return {"scheduled": len(self.scheduled), "trained": len(self.trained), "dropped": len(self.dropped),
-                "pending": len(self.pending()), "dropped_by_reason": dict(Counter(self.dropped.values()))}
+    def summary(self) -> LedgerSummary:
+        return LedgerSummary(len(self.scheduled), len(self.trained), len(self.dropped), len(self.pending()),
+                             dict(Counter(self.dropped.values())))
 
     def state(self) -> dict:
         return {"scheduled": self.scheduled, "trained": self.trained, "dropped": self.dropped}

@@ -247,7 +247,7 @@ class PromptBook:
 
     def losses(self) -> str:
         """What became of the prompts so far, for a step timeout's message."""
-        dropped = self.ledger.summary()["dropped_by_reason"]
+        dropped = self.ledger.summary().dropped_by_reason
         return (f"prompts dropped so far, by reason: {dropped or 'none'}; {len(self.ledger.pending())} still pending"
                 + (f"; last failed sample: {self.last_sample_error}" if self.last_sample_error else ""))
 

@@ -386,15 +386,15 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
         buffered = job.collect(1)  # the learner reads again
         assert len(buffered) == n
         summary = job.book.ledger.summary()
-        assert summary["dropped_by_reason"].get("undelivered") == n - capacity, summary
-        assert set(summary["dropped_by_reason"]) <= {"undelivered", "too_few_valid_samples"}, summary
+        assert summary.dropped_by_reason.get("undelivered") == n - capacity, summary
+        assert set(summary.dropped_by_reason) <= {"undelivered", "too_few_valid_samples"}, summary
         metrics = job.train(buffered)
         job.push_weights()
         job.finish_step(1, metrics, StepTimer())
         summary = job.book.ledger.summary()
         print(f"no reader: ledger {summary}")
-        assert summary["trained"] == n and summary["pending"] == 0, summary  # none lost
-        assert summary["scheduled"] == summary["trained"] + summary["dropped"]  # every drop replaced
+        assert summary.trained == n and summary.pending == 0, summary  # none lost
+        assert summary.scheduled == summary.trained + summary.dropped  # every drop replaced
         assert _counter(url, "inflight_rejected_messages", reason="undelivered") >= n - capacity
         assert _status(handle)["undelivered_prompts"] == 0
     finally:
@@ -507,7 +507,7 @@ def test_a_vllm_engine_core_killed_inside_a_live_engine_is_restarted_in_place_an
     killer, summary, state = _one_of_two_killed_mid_run(pool, tmp_path, transport, "core")
     assert state["pid"] == killer.old_pid, "the actor process was replaced: the test killed more than the core"
     assert not psutil.pid_exists(killer.killed_pid) and _engine_core_of(killer.old_pid) != killer.killed_pid
-    assert "generation_failed" not in summary["dropped_by_reason"], f"prompts were failed, not re-queued: {summary}"
+    assert "generation_failed" not in summary.dropped_by_reason, f"prompts were failed, not re-queued: {summary}"
 
 
 def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> tuple[EngineKiller, dict, dict]:
@@ -580,9 +580,9 @@ def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> t
     assert min(g[2] for g in after) >= killer.version_at_kill >= 1, (after, killer.version_at_kill)
     state = _status(handle)["engines"][victim]
     assert state["up"] and state.get("incarnation") != killer.old_incarnation and state["version"] == step
-    assert summary["trained"] == step * run_recipe.grpo.num_prompts_per_step  # none trained twice (else LedgerError)
-    assert summary["pending"] == 0, f"prompts neither trained nor dropped with a reason: {job.book.ledger.pending()}"
-    assert set(summary["dropped_by_reason"]) <= {"stale", "too_few_valid_samples", "generation_failed"}
+    assert summary.trained == step * run_recipe.grpo.num_prompts_per_step  # none trained twice (else LedgerError)
+    assert summary.pending == 0, f"prompts neither trained nor dropped with a reason: {job.book.ledger.pending()}"
+    assert set(summary.dropped_by_reason) <= {"stale", "too_few_valid_samples", "generation_failed"}
     if transport == "collective":  # at attach, then without the dead engine (if a push came first), then with it
         assert 2 <= job.refit.groups_formed <= 3, job.refit.groups_formed
     _generation_works(handle)

@@ -81,9 +81,9 @@ def test_hanging_reward_fails_samples_and_the_step_wait_is_bounded(ray_cluster, 
         assert waited <= job.collect_timeout_s + 30
         assert "last failed sample: reward:" in str(err.value)
         summary = job.book.ledger.summary()
-        assert summary["trained"] == 0
-        assert summary["dropped_by_reason"].get("too_few_valid_samples", 0) >= 4  # replaced, never scored 0
-        assert job.book.buffer.drops["too_few_valid_samples"] == summary["dropped_by_reason"]["too_few_valid_samples"]
+        assert summary.trained == 0
+        assert summary.dropped_by_reason.get("too_few_valid_samples", 0) >= 4  # replaced, never scored 0
+        assert job.book.buffer.drops["too_few_valid_samples"] == summary.dropped_by_reason["too_few_valid_samples"]
 
 
 REQUEST_TIMEOUT_S = 0.01  # the first output of a request alone takes longer on CPU; 100 tokens take far longer
@@ -137,7 +137,7 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
         s = next(iter(stats.values()))
         assert s["aborts"] >= len(failed) * (MAX_RETRIES + 1) and s["retries"] >= len(failed) * MAX_RETRIES
         assert s["samples_ok"] == 0 and s["samples_failed"] >= len(failed)
-        assert summary["trained"] == 0 and len(job.book.buffer) == 0
-        assert summary["dropped_by_reason"].get("too_few_valid_samples", 0) >= 4
-        assert summary["dropped_by_reason"]["too_few_valid_samples"] == job.book.buffer.drops["too_few_valid_samples"]
-        assert summary["scheduled"] == summary["dropped"] + summary["pending"]  # each drop replaced, none lost
+        assert summary.trained == 0 and len(job.book.buffer) == 0
+        assert summary.dropped_by_reason.get("too_few_valid_samples", 0) >= 4
+        assert summary.dropped_by_reason["too_few_valid_samples"] == job.book.buffer.drops["too_few_valid_samples"]
+        assert summary.scheduled == summary.dropped + summary.pending  # each drop replaced, none lost

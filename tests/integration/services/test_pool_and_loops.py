@@ -326,8 +326,8 @@ def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
     assert _skipped_steps_counter(url) == before + 1
     assert httpx.get(f"{url}/v1/status", timeout=10).json()["version"] == 3
     summary = job.book.ledger.summary()
-    assert summary["dropped_by_reason"].get("step_skipped") == recipe.grpo.num_prompts_per_step
-    assert summary["trained"] == 3 * recipe.grpo.num_prompts_per_step
+    assert summary.dropped_by_reason.get("step_skipped") == recipe.grpo.num_prompts_per_step
+    assert summary.trained == 3 * recipe.grpo.num_prompts_per_step
 
 
 def test_sync_run_stops_after_max_consecutive_skipped_steps_with_the_reason(pool, tmp_path):

@@ -193,9 +193,9 @@ def test_scale_1_to_2_to_1_during_an_async_run_loses_no_prompt_and_trains_none_t
     with pytest.raises(ValueError):
         ray.get_actor(ENGINE_1, namespace="inflight")
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, step + 1))
-    assert summary["trained"] == step * run_recipe.grpo.num_prompts_per_step  # none twice (else LedgerError)
-    assert summary["pending"] == 0, f"prompts neither trained nor dropped: {job.book.ledger.pending()}"
-    assert set(summary["dropped_by_reason"]) <= {"stale", "too_few_valid_samples"}, summary
+    assert summary.trained == step * run_recipe.grpo.num_prompts_per_step  # none twice (else LedgerError)
+    assert summary.pending == 0, f"prompts neither trained nor dropped: {job.book.ledger.pending()}"
+    assert set(summary.dropped_by_reason) <= {"stale", "too_few_valid_samples"}, summary
 
     samples = scrape(url)
     events = {(s.labels["direction"], s.labels["outcome"]): s.value
