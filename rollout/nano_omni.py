@@ -14,16 +14,27 @@ their fixes.
    on a float32 checkpoint failed in the patch embedder with the same message. The patch casts the pixels to the
    tower's dtype.
 
+3. vLLM 0.32's ``load_weights`` loads the projector (``mlp1``, and ``vision_final_layernorm`` where the model has
+   one) with ``default_weight_loader`` called directly, past the loaders that ``reload_weights``' layerwise reload
+   puts on each parameter; that reload then finds nothing loaded for those layers and keeps their old tensors ("Linear:
+   Failed to load weights"). :func:`install_projector` copies the push's projector tensors in after every install,
+   whichever path installed it.
+
 Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 0 items and
 :mod:`rollout.vllm_images` refuses a prompt holding the audio placeholder.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 MODEL_TYPE = "nemotron_h_omni"
+VLLM_CLASS = "NemotronH_Nano_VL_V2"
+"""vLLM's model class for Nano-Omni (``nano_nemotron_vl``)."""
+PROJECTOR_PREFIXES = ("mlp1.", "vision_projector.vision_final_layernorm.")
+"""The published names of the projector's tensors, as a push names them."""
 
 
 def is_nano_omni(model_path: str) -> bool:
@@ -65,3 +76,26 @@ def patch_vllm() -> None:
 
     extract_feature_dynamic.inflight_dtype_fix = True  # pyright: ignore[reportFunctionMemberAccess]
     cls.extract_feature_dynamic = extract_feature_dynamic
+
+
+def install_projector(model: Any, tensors: Iterable[tuple[str, Any]]) -> list[str]:
+    """Copy the projector tensors among ``tensors`` (published names) into a vLLM Nano-Omni ``model`` (fix 3 of the
+    module docstring); returns the names copied (none for another model)."""
+    import torch
+
+    if type(model).__name__ != VLLM_CLASS:
+        return []
+    params = {f"mlp1.{k}": p for k, p in model.mlp1.named_parameters()}
+    if model.vision_final_layernorm is not None:
+        params.update({f"{PROJECTOR_PREFIXES[1]}{k}": p for k, p in model.vision_final_layernorm.named_parameters()})
+    done = []
+    with torch.no_grad():
+        for name, tensor in tensors:
+            param = params.get(name)
+            if param is None:
+                continue
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: pushed shape {tuple(tensor.shape)}, the engine's {tuple(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            done.append(name)
+    return done

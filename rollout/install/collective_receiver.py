@@ -38,10 +38,16 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
     def inflight_reload_weights(self, weights_path: str) -> list[str]:
         """Install a staged push with ``reload_weights``, then rebuild the CPU kernels it leaves stale
         (:mod:`rollout.install.cpu_reload`); returns what was repaired."""
+        from safetensors import safe_open
+
         from rollout.install.cpu_reload import repair_after_reload
+        from rollout.nano_omni import PROJECTOR_PREFIXES, install_projector
 
         self.reload_weights(weights_path=weights_path)
-        return repair_after_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        with safe_open(f"{weights_path}/model.safetensors", framework="pt") as staged:
+            projector = [(k, staged.get_tensor(k)) for k in staged.keys() if k.startswith(PROJECTOR_PREFIXES)]
+        return repair_after_reload(model) + install_projector(model, projector)
 
     def inflight_join_weight_group(self, host: str, port: int, rank_base: int, world_size: int,
                                    timeout_s: float) -> int:
@@ -74,6 +80,7 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
         from protocol.weight_transfer import named_views
         from rollout.install.cpu_reload import repair_after_reload
         from rollout.install.direct_load import DirectLoad, worker_kv_caches
+        from rollout.nano_omni import install_projector
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
             have = None if self._inflight_received is None else self._inflight_received[0].version
@@ -83,13 +90,15 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
         if self._inflight_direct_load is None:
             self._inflight_direct_load = DirectLoad(direct_load)
         loader = self._inflight_direct_load
+        model = self.model_runner.get_model()
         try:
-            path = loader.install(self.model_runner.get_model(), lambda: iter(named_views(manifest, buckets)),
+            path = loader.install(model, lambda: iter(named_views(manifest, buckets)),
                                   lambda weights: self.reload_weights(weights_iterator=weights),
                                   ignore=worker_kv_caches(self))
+            repair_after_reload(model)  # once per install, whichever path installed it
+            install_projector(model, named_views(manifest, buckets))
         finally:
             self._inflight_received = None
-        repair_after_reload(self.model_runner.get_model())  # once per install, whichever path installed it
         if path == "checked" and loader.plan is not None:
             logger.info("weight install: copy plan (%d copies) proven equal to plain load_weights; used from now "
                         "on", len(loader.plan.steps))

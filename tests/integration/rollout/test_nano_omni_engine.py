@@ -6,9 +6,10 @@ model's processor writes it, ``<img>`` + ``<image>`` x (grid_h * grid_w / 4) + `
 of 32 pixels inside the patch budget so that vLLM keeps them as they are. Float32 transformers on the same pixels is
 the oracle (its prefill dt clamp lifted, as for Nemotron-H). Then what a learner with the frozen tower exports is
 installed in flight: seed 1's language model beside seed 0's tower and projector (a push holds every tensor: the
-installer refuses one without the tower's); the engine equals transformers on that mix. vLLM 0.32's layerwise
-``reload_weights`` does not install a *changed* tower ("RadioModel: Failed to load weights"; docs/multimodal.md,
-Nano-Omni), so a trained tower does not reach the engine yet. A prompt with the audio placeholder is refused.
+installer refuses one without the tower's); the engine equals transformers on that mix. Then a trained tower: seed
+1's whole model by the object store, and seed 0's back through a weight group (gloo); each equals transformers on
+its weights (vLLM 0.32's reload keeps the old projector, which the worker copies in: docs/multimodal.md, "Refit of
+the tower"). A prompt with the audio placeholder is refused.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from model_weights import model_tensors
+from safetensors.torch import load_file
+from test_collective_push import Sender
 from test_nemotron_h_engine import engine_logprobs, max_diff, started
 
 from protocol import PromptRequest, pack_buckets
@@ -112,9 +115,22 @@ def test_image_prompts_match_transformers_before_and_after_a_language_model_push
         tower = [t for t in model_tensors(s0) if not t[0].startswith("language_model.")]
         h.run(h.engine.install(*pack_buckets(lm + tower, h.engine.version + 1, 1 << 20)))
         pushed = [np.asarray(x) for x in h.run(h.engine.logprobs_of(prompts, responses, images))]
+        h.run(h.engine.install(*pack_buckets(model_tensors(s1), h.engine.version + 1, 1 << 20)))  # a trained tower
+        trained = [np.asarray(x) for x in h.run(h.engine.logprobs_of(prompts, responses, images))]
+        sender = Sender(h)  # the other install path: a weight group (gloo), seed 0's tower and projector back
+        try:
+            version = h.engine.version + 1
+            assert sender.push(version, list(load_file(f"{s0}/model.safetensors").items())) == version
+        finally:
+            sender.group.close()
+        back = [np.asarray(x) for x in h.run(h.engine.logprobs_of(prompts, responses, images))]
     want0 = hf_logprobs(hf_model(s0), prompts, responses, images)
     want_pushed = hf_logprobs(hf_model(s0, language_from=s1), prompts, responses, images)
+    want1 = hf_logprobs(hf_model(s1), prompts, responses, images)
     print(f"\nnano-omni vs transformers: fresh {max_diff(fresh, want0):.2e}, after a language-model push "
-          f"{max_diff(pushed, want_pushed):.2e}")
+          f"{max_diff(pushed, want_pushed):.2e}, after a push of another tower too {max_diff(trained, want1):.2e}, "
+          f"after the first tower's push over a weight group {max_diff(back, want0):.2e}")
     assert max_diff(fresh, want0) <= PARITY and max_diff(pushed, want_pushed) <= PARITY
     assert max_diff(pushed, want0) > 100 * PARITY  # the push changed the outputs
+    assert max_diff(trained, want1) <= PARITY and max_diff(back, want0) <= PARITY
+    assert max_diff(want1[:2], want_pushed[:2]) > 100 * PARITY  # image prompts: the tower's push mattered

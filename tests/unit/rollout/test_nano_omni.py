@@ -14,7 +14,7 @@ import torch
 
 from protocol.images import PromptImage
 from rollout.config import VllmConfig
-from rollout.nano_omni import hf_overrides, is_nano_omni, patch_vllm
+from rollout.nano_omni import hf_overrides, install_projector, is_nano_omni, patch_vllm
 from rollout.options import build_engine_options
 from rollout.vllm_images import ImageTokens, image_tokens, unwrap_runs, vllm_prompt
 
@@ -106,3 +106,26 @@ def test_patched_feature_extraction_keeps_the_model_dtype():
     # a bfloat16 engine on a float32 checkpoint: the pixels come in bfloat16, the tower is float32 (text_config.dtype)
     fn(fake, torch.ones(1, 4, 8, dtype=torch.bfloat16), [(32, 32)])
     assert seen["dtype"] == torch.float32
+
+
+class NemotronH_Nano_VL_V2(torch.nn.Module):  # vLLM's class name, which install_projector checks
+    """vLLM's Nano-Omni as far as its projector goes: ``mlp1`` (RMSNorm weight, two linear layers), no final norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp1 = torch.nn.Sequential(torch.nn.LayerNorm(8, bias=False), torch.nn.Linear(8, 4, bias=False),
+                                        torch.nn.ReLU(), torch.nn.Linear(4, 2, bias=False))
+        self.vision_final_layernorm = None
+
+
+def test_install_projector_copies_the_pushed_projector_only():
+    model = NemotronH_Nano_VL_V2()
+    push = [("mlp1.0.weight", torch.full((8,), 2.0)), ("mlp1.1.weight", torch.ones(4, 8, dtype=torch.float64)),
+            ("mlp1.3.weight", torch.zeros(2, 4)), ("language_model.backbone.embeddings.weight", torch.ones(3, 2))]
+    assert install_projector(model, push) == ["mlp1.0.weight", "mlp1.1.weight", "mlp1.3.weight"]
+    assert torch.equal(model.mlp1[0].weight, torch.full((8,), 2.0))
+    assert torch.equal(model.mlp1[1].weight, torch.ones(4, 8))
+    assert model.mlp1[1].weight.dtype == torch.float32 and not model.mlp1[3].weight.any()
+    with pytest.raises(ValueError, match=r"mlp1.1.weight: pushed shape \(8, 4\), the engine's \(4, 8\)"):
+        install_projector(model, [("mlp1.1.weight", torch.ones(8, 4))])
+    assert install_projector(torch.nn.Linear(2, 2), push) == []  # another model: nothing to do
