@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout.nano_omni import is_nano_omni
 from services.models.variant import TOKENIZER_MARKERS, has_tokenizer
 from services.preflight.engine_checks import check_vllm_kwargs
 from services.recipe.config import PolicyConfig, Recipe, RecipeError
@@ -75,12 +74,6 @@ class RecipeProblems(RecipeError):
         super().__init__("", text)
 
 
-TRAINED_OMNI_TOWER = ("a Nemotron-3-Nano-Omni's RADIO tower cannot be trained yet: vLLM 0.32's nano_nemotron_vl keeps "
-                      "its first tower through a weight push ('RadioModel: Failed to load weights'), so the engine "
-                      "would sample from a tower the learner no longer has; expected true (the seed's recipes freeze "
-                      "it; docs/multimodal.md, 'Refit of the tower')")
-
-
 def check_recipe(recipe: Recipe, *, here: bool) -> RecipeChecks:
     """Every problem with what ``recipe`` points to. ``here``: the run starts on this machine, so a
     ``policy.model_name`` that is no directory here is a problem; otherwise (``validate``, perhaps of a recipe for
@@ -114,8 +107,6 @@ def _check_model(policy: PolicyConfig, here: bool, checks: RecipeChecks) -> None
         except ValueError as err:
             checks.add(key, name, err)
             return
-        if not policy.freeze_vision_tower and is_nano_omni(str(path)):
-            checks.add("policy.freeze_vision_tower", "False", TRAINED_OMNI_TOWER)
         if own_tokenizer and not name.startswith("tiny://") and not has_tokenizer(path):
             checks.add(key, name, f"no tokenizer in the model directory (expected one of {list(TOKENIZER_MARKERS)}: "
                                   f"the engines and the learner load it from there; or set policy.tokenizer.name)")
