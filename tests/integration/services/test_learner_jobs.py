@@ -107,7 +107,8 @@ def test_readme_learner_jobs(home, tmp_path):
     rows = [json.loads(line) for line in (work / "runs" / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, checkpoint + 2)), [r["step"] for r in rows]
     resumed = out[6]                                  # the second job's whole log (`logs --follow`)
-    assert f"'trained': {PROMPTS_PER_STEP * (checkpoint + 1)}," in resumed, resumed[-3000:]
+    assert re.search(rf"^ledger: \d+ scheduled, {PROMPTS_PER_STEP * (checkpoint + 1)} trained, ", resumed, re.M), \
+        resumed[-3000:]
     assert rows[-1]["policy_version"] == checkpoint + 1
     assert "local Ray cluster stopped" in out[7]
     time.sleep(1)
