@@ -78,12 +78,17 @@ def patch_vllm() -> None:
     cls.extract_feature_dynamic = extract_feature_dynamic
 
 
+def is_vllm_nano_omni(model: Any) -> bool:
+    """Whether ``model`` (a vLLM worker's model) is Nano-Omni, whose installs need :func:`install_projector`."""
+    return type(model).__name__ == VLLM_CLASS
+
+
 def install_projector(model: Any, tensors: Iterable[tuple[str, Any]]) -> list[str]:
     """Copy the projector tensors among ``tensors`` (published names) into a vLLM Nano-Omni ``model`` (fix 3 of the
     module docstring); returns the names copied (none for another model)."""
     import torch
 
-    if type(model).__name__ != VLLM_CLASS:
+    if not is_vllm_nano_omni(model):
         return []
     params = {f"mlp1.{k}": p for k, p in model.mlp1.named_parameters()}
     if model.vision_final_layernorm is not None:

@@ -41,10 +41,12 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
         from safetensors import safe_open
 
         from rollout.install.cpu_reload import repair_after_reload
-        from rollout.nano_omni import PROJECTOR_PREFIXES, install_projector
+        from rollout.nano_omni import PROJECTOR_PREFIXES, install_projector, is_vllm_nano_omni
 
         self.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
+        if not is_vllm_nano_omni(model):  # the staged file is read again only for a model whose reload needs it
+            return repair_after_reload(model)
         with safe_open(f"{weights_path}/model.safetensors", framework="pt") as staged:
             projector = [(k, staged.get_tensor(k)) for k in staged.keys() if k.startswith(PROJECTOR_PREFIXES)]
         return repair_after_reload(model) + install_projector(model, projector)
@@ -80,7 +82,7 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
         from protocol.weight_transfer import named_views
         from rollout.install.cpu_reload import repair_after_reload
         from rollout.install.direct_load import DirectLoad, worker_kv_caches
-        from rollout.nano_omni import install_projector
+        from rollout.nano_omni import install_projector, is_vllm_nano_omni
 
         if self._inflight_received is None or self._inflight_received[0].version != version:
             have = None if self._inflight_received is None else self._inflight_received[0].version
@@ -96,7 +98,8 @@ class CollectiveWeightReceiver(IpcWeightReceiver):
                                   lambda weights: self.reload_weights(weights_iterator=weights),
                                   ignore=worker_kv_caches(self))
             repair_after_reload(model)  # once per install, whichever path installed it
-            install_projector(model, named_views(manifest, buckets))
+            if is_vllm_nano_omni(model):
+                install_projector(model, named_views(manifest, buckets))
         finally:
             self._inflight_received = None
         if path == "checked" and loader.plan is not None:
