@@ -34,6 +34,7 @@ from rollout.options import EngineOptions, build_engine_options
 from rollout.rewards.registry import RewardFn
 from rollout.sampling import GroupSampler
 from rollout.vllm_images import image_tokens
+from rollout.vllm_readback import ReadBack, read_back
 
 __all__ = ["EngineError", "RolloutEngine"]
 
@@ -75,6 +76,8 @@ class RolloutEngine:
         """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them, as the prompts."""
         self._llm: Any = None
         self._tokenizer: Any = None
+        self.read_back: list[ReadBack] = []
+        """The ``vllm_kwargs`` entries against the started engine's own config (:mod:`rollout.vllm_readback`)."""
         self._options: EngineOptions | None = None
         self._kv = KvCounters()
         self._procs = EngineProcesses({}, set())
@@ -129,6 +132,10 @@ class RolloutEngine:
         self._llm = build.result()
         self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
+        self.read_back = read_back(self._llm.vllm_config,
+                                   {k: options.engine_args[k] for k in options.applied_kwargs})
+        for entry in self.read_back:
+            (logger.info if entry.holds else logger.warning)("rollout engine %s: %s", self.engine_id, entry.line())
         self.sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.sampler.image_token_id = image_tokens(self.model_path)
         await self._bounded(self.labels.set_label(self._llm, self.version), "setting the initial weight version")

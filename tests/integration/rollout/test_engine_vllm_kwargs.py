@@ -15,3 +15,10 @@ def test_vllm_kwargs_are_read_back_from_the_engine(harness):
     if harness.engine.options.platform == "cpu":
         assert any(line.startswith("policy.generation.vllm_kwargs.kernel_config.moe_backend='flashinfer_cutlass' "
                                    "ignored on cpu") for line in lines)
+
+
+def test_the_engine_reads_its_vllm_kwargs_back(harness):
+    by_path = {entry.path: entry for entry in harness.engine.read_back}
+    assert by_path["max_num_seqs"].where == "scheduler_config.max_num_seqs" and by_path["max_num_seqs"].holds
+    assert by_path["max_num_batched_tokens"].found == HARNESS_VLLM_KWARGS["max_num_batched_tokens"]
+    assert all(entry.holds for entry in harness.engine.read_back), [e.line() for e in harness.engine.read_back]
