@@ -254,6 +254,8 @@ R|S)
       policy.generation.vllm_cfg.enable_return_routed_experts=$replay policy.megatron_cfg.moe_enable_routing_replay=$replay
     cp "$OUT/replay_$replay/metrics.jsonl" "$OUT/replay_${replay}_metrics.jsonl" 2>/dev/null
   done
+  $PY bench/replay_mismatch.py --run off="$OUT/replay_false_metrics.jsonl" --run on="$OUT/replay_true_metrics.jsonl" \
+    --out "$OUT/replay_mismatch_$PHASE.json"
   ;;
 esac
 
