@@ -69,8 +69,8 @@ def patch_vllm() -> None:
         tower_dtype = next(self.vision_model.parameters()).dtype  # text_config.dtype, not the engine's dtype
         _, vit_embeds = self.vision_model(pixel_values.to(tower_dtype), imgs_sizes=imgs_sizes)
         vit_embeds = vit_embeds.to(dtype=self.llm_dtype)  # vLLM 0.32: torch.bfloat16
-        if self.vision_final_layernorm is not None:
-            vit_embeds = self.vision_final_layernorm(vit_embeds)
+        if (final_norm := getattr(self, "vision_final_layernorm", None)) is not None:  # vLLM 0.25.1 has none
+            vit_embeds = final_norm(vit_embeds)
         vit_embeds = self.pixel_shuffle_dynamic_res(vit_embeds, imgs_sizes=imgs_sizes)
         return self.mlp1(vit_embeds)
 
@@ -91,8 +91,8 @@ def install_projector(model: Any, tensors: Iterable[tuple[str, Any]]) -> list[st
     if not is_vllm_nano_omni(model):
         return []
     params = {f"mlp1.{k}": p for k, p in model.mlp1.named_parameters()}
-    if model.vision_final_layernorm is not None:
-        params.update({f"{PROJECTOR_PREFIXES[1]}{k}": p for k, p in model.vision_final_layernorm.named_parameters()})
+    if (final_norm := getattr(model, "vision_final_layernorm", None)) is not None:  # vLLM 0.25.1 has none
+        params.update({f"{PROJECTOR_PREFIXES[1]}{k}": p for k, p in final_norm.named_parameters()})
     done = []
     with torch.no_grad():
         for name, tensor in tensors:

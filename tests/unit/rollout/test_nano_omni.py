@@ -106,6 +106,9 @@ def test_patched_feature_extraction_keeps_the_model_dtype():
     # a bfloat16 engine on a float32 checkpoint: the pixels come in bfloat16, the tower is float32 (text_config.dtype)
     fn(fake, torch.ones(1, 4, 8, dtype=torch.bfloat16), [(32, 32)])
     assert seen["dtype"] == torch.float32
+    del fake.vision_final_layernorm  # vLLM 0.25.1's model has no such attribute
+    fn(fake, torch.ones(1, 4, 8), [(32, 32)])
+    assert seen["dtype"] == torch.float32
 
 
 class NemotronH_Nano_VL_V2(torch.nn.Module):  # vLLM's class name, which install_projector checks
@@ -129,3 +132,5 @@ def test_install_projector_copies_the_pushed_projector_only():
     with pytest.raises(ValueError, match=r"mlp1.1.weight: pushed shape \(8, 4\), the engine's \(4, 8\)"):
         install_projector(model, [("mlp1.1.weight", torch.ones(8, 4))])
     assert install_projector(torch.nn.Linear(2, 2), push) == []  # another model: nothing to do
+    del model.vision_final_layernorm  # vLLM 0.25.1's model has no such attribute
+    assert install_projector(model, push[:1]) == ["mlp1.0.weight"]
