@@ -22,7 +22,7 @@ from typing import Any, Literal
 from rollout import nano_omni
 from rollout.config import VllmConfig, VllmKwargs
 from rollout.routed_experts import CPU_REASON as ROUTED_EXPERTS_ON_CPU
-from rollout.routed_experts import ENV as ROUTED_EXPERTS_ENV
+from rollout.routed_experts import runner_env
 from rollout.vllm_images import image_token_id
 from rollout.vllm_kwargs import SECTION as KWARGS_KEY
 from rollout.vllm_kwargs import merge_vllm_kwargs
@@ -263,8 +263,10 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
         if on_cpu:
             raise EngineOptionError("enable_return_routed_experts", True, ROUTED_EXPERTS_ON_CPU)
         args["enable_return_routed_experts"] = True
-        env.update(ROUTED_EXPERTS_ENV)
-        platform_args.append("enable_return_routed_experts=True, env VLLM_USE_V2_MODEL_RUNNER=1 (routing replay)")
+        runner = runner_env(caps.engine_arg_names)
+        env.update(runner)
+        platform_args.append(f"enable_return_routed_experts=True, env VLLM_USE_V2_MODEL_RUNNER="
+                             f"{runner['VLLM_USE_V2_MODEL_RUNNER']} (routing replay: the runner that returns them)")
     if tempered:
         args["logprobs_mode"] = "processed_logprobs"
         platform_args.append("logprobs_mode='processed_logprobs' (temperature, top_k or top_p: the sampled tokens' "

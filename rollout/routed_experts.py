@@ -1,13 +1,13 @@
 """The experts vLLM routed each position to, as a trajectory carries them (routing replay, R3).
 
 With ``policy.generation.vllm_cfg.enable_return_routed_experts`` the engine starts with vLLM's
-``enable_return_routed_experts`` (its Model Runner V2, ``VLLM_USE_V2_MODEL_RUNNER=1``: GPU only, as V2 needs
-Triton), and every finished request's ``CompletionOutput.routed_experts`` is ``[positions, decoder layers, top_k]``:
-the prompt's positions, then the sampled ones but the last (never fed back). :func:`trajectory_routing` cuts it to
-the model's MoE layers (:func:`protocol.routing.moe_layers` of the engine's HF config: dense and Mamba layers hold
-nothing) in the narrowest dtype, for ``Trajectory.routed_experts``; the learner replays it
-(:mod:`learner.router_replay`). A multi-turn episode carries its last turn's (rollout/episodes/episode.py): that
-request was the whole episode so far, environment tokens included, so it covers every position but the last.
+``enable_return_routed_experts`` in the model runner that returns them (:func:`runner_env`: V2 in vLLM 0.32, GPU only
+as V2 needs Triton; V1 in 0.25.1), and every finished request's ``CompletionOutput.routed_experts`` is ``[positions,
+decoder layers, top_k]``: the prompt's positions, then the sampled ones but the last (never fed back).
+:func:`trajectory_routing` cuts it to the model's MoE layers (:func:`protocol.routing.moe_layers` of the engine's HF
+config: dense and Mamba layers hold nothing) in the narrowest dtype, for ``Trajectory.routed_experts``; the learner
+replays it (:mod:`learner.router_replay`). A multi-turn episode carries its last turn's (rollout/episodes/episode.py):
+that request was the whole episode so far, environment tokens included, so it covers every position but the last.
 """
 from __future__ import annotations
 
@@ -17,8 +17,16 @@ import numpy as np
 
 from protocol.routing import compact, moe_layers
 
-ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-"""vLLM 0.32 returns routed experts only from Model Runner V2 (its config check says so)."""
+V2_ONLY_ARG = "aux_output_config"
+"""The engine argument of vLLM's AuxOutput connector (0.32), which returns routed experts from Model Runner V2 only
+("AuxOutput Connector requires Model Runner V2"); vLLM 0.25.1 has no such argument and captures them in the V1
+runner, whose V2 lists "routed experts capture" as unsupported."""
+
+
+def runner_env(engine_arg_names: frozenset[str]) -> dict[str, str]:
+    """The model runner the installed vLLM returns routed experts from, as the variable that selects it."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1" if V2_ONLY_ARG in engine_arg_names else "0"}
+
 CPU_REASON = ("vLLM returns routed experts only from its Model Runner V2, which needs Triton on a GPU (on CPU: "
               "'Model Runner V2 requires Triton'); routing replay needs GPU engines")
 

@@ -17,14 +17,16 @@ ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "max_n
                   "enforce_eager", "worker_extension_cls", "tensor_parallel_size", "pipeline_parallel_size",
                   "gpu_memory_utilization", "enable_chunked_prefill", "compilation_config",
                   "enable_return_routed_experts"})
-GPU = VllmCapabilities("0.32.0", "cuda", ARGS, None, None, ("FULL_AND_PIECEWISE",))
+GPU = VllmCapabilities("0.32.0", "cuda", ARGS | {"aux_output_config"}, None, None, ("FULL_AND_PIECEWISE",))
+GPU_0_25 = VllmCapabilities("0.25.1", "cuda", ARGS, None, None, ("FULL_AND_PIECEWISE",))  # no AuxOutput connector
 ON = VllmConfig(enable_return_routed_experts=True, enforce_eager=True)
 
 
-def test_gpu_engines_are_asked_for_routed_experts_through_model_runner_v2():
+def test_gpu_engines_are_asked_for_routed_experts_through_the_runner_that_returns_them():
     opts = build_engine_options(ON, "/m", 512, GPU)
     assert opts.engine_args["enable_return_routed_experts"] is True
-    assert opts.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert opts.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # vLLM 0.32: the AuxOutput connector, Model Runner V2 only
+    assert build_engine_options(ON, "/m", 512, GPU_0_25).env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # 0.25.1: V1's
     off = build_engine_options(VllmConfig(enforce_eager=True), "/m", 512, GPU)
     assert "enable_return_routed_experts" not in off.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in off.env
 
