@@ -83,9 +83,12 @@ def _field(path: str, asked: Any, owners: list[tuple[str, Any]], attr: str) -> R
 
 
 def _plain(value: Any) -> Any:
-    """An enum as its value, a mapping's values likewise; other values unchanged."""
+    """An enum as its value; vLLM's per-modality dummy options (``ImageDummyOptions(count=2)``, which a
+    ``limit_mm_per_prompt`` count becomes) as their count; a mapping's values likewise; other values unchanged."""
     if isinstance(value, enum.Enum):
         return value.value if not isinstance(value.value, enum.Enum) else value.name
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
+    if type(value).__name__.endswith("DummyOptions") and isinstance(getattr(value, "count", None), int):
+        return value.count
     return value

@@ -17,8 +17,14 @@ class Scheduler:
 
 
 @dataclass
+class ImageDummyOptions:  # vLLM turns a limit_mm_per_prompt count into one of these
+    count: int
+    width: int | None = None
+
+
+@dataclass
 class Multimodal:
-    limit_per_prompt: dict = field(default_factory=lambda: {"image": 2, "video": 0})
+    limit_per_prompt: dict = field(default_factory=lambda: {"image": ImageDummyOptions(2), "video": 0})
 
 
 @dataclass
@@ -56,3 +62,14 @@ def test_a_changed_or_unknown_value_is_reported():
                               "scheduler_config.max_num_seqs=128")
     assert not unknown.holds and unknown.where is None and "not read back" in unknown.line()
     assert not other.holds
+
+
+def test_a_count_reads_back_from_vllms_own_multimodal_options():
+    from vllm.config import MultiModalConfig  # turns each count into an ImageDummyOptions(count=...) and the like
+
+    limits = MultiModalConfig(limit_per_prompt={"image": 2, "video": 0}).limit_per_prompt
+    config = Config(model_config=Model(Multimodal(limits)))
+    same, other = read_back(config, {"limit_mm_per_prompt": {"image": 2, "video": 0}}) + \
+        read_back(config, {"limit_mm_per_prompt": {"image": 3}})
+    assert same.holds and not other.holds
+    assert other.line().endswith("model_config.multimodal_config.limit_per_prompt={'image': 2, 'video': 0}")
