@@ -27,6 +27,7 @@ from protocol.pool_replies import EvaluationReply, FailedPrompt, UndeliveredProm
 from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
 from services.models.files import ModelFiles
+from services.pool.engine_replies import EngineHealth, EngineStarted
 from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ class EngineActor:
         group is made of incarnations: a vLLM restarted in the same process is not in it)."""
         return f"{self.pid}.{self._starts}"
 
-    async def start(self) -> dict:
+    async def start(self) -> EngineStarted:
         """Start the vLLM engine. If the one started before has died, shut it down first (its /dev/shm
         segments are freed) and start a fresh one: it serves the model on disk (``version`` 0, no push)."""
         async with self._start_lock:
@@ -203,16 +204,15 @@ class EngineActor:
             if not self._started:
                 await self.engine.start()
                 self._started, self._starts = True, self._starts + 1
-        return {"engine_id": self.engine_id, "version": self.engine.version, "pid": self.pid,
-                "incarnation": self.incarnation}
+        return EngineStarted(self.engine_id, self.engine.version, self.pid, self.incarnation)
 
-    async def health(self) -> dict:
+    async def health(self) -> EngineHealth:
         """``ok`` only while vLLM itself can serve (its engine core alive), with the reason otherwise;
         ``synced``: a push was installed since this vLLM engine started."""
         error = self.engine.dead_reason() if self._started else "vLLM engine not started"
-        return {"engine_id": self.engine_id, "ok": not error, "error": error, "version": self.engine.version,
-                "synced": self.engine.stats()["refits"] > 0, "running_batches": len(self._tasks),
-                "pid": self.pid, "incarnation": self.incarnation}
+        return EngineHealth(self.engine_id, ok=not error, error=error, version=self.engine.version,
+                            synced=self.engine.stats()["refits"] > 0, running_batches=len(self._tasks),
+                            pid=self.pid, incarnation=self.incarnation)
 
     async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> BatchReport:
         """Generate one group per prompt, streaming each into ``channel``; returns once every prompt has been

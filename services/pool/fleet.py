@@ -38,6 +38,7 @@ from services.refit.result import RefitError, describe, failure_reason
 
 if TYPE_CHECKING:
     from services.pool.agent_driver import PoolAccess
+    from services.pool.engine_replies import EngineStarted
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.pool")
@@ -116,7 +117,7 @@ class Fleet:
         """Place, create and boot the engines. Any error stops the start-up at once and removes what it made
         (engines, colocation group); the reason goes to ``errors`` and ``ready`` is set either way, so
         ``wait_ready`` answers at once and :func:`services.pool.deploy` fails with the reason."""
-        started: dict[str, dict] = {}
+        started: dict[str, EngineStarted] = {}
         try:
             self.colocation = await asyncio.to_thread(colocation_group, self.recipe, self.name)
             create_engines(self.recipe, self.name, self.model_path, self.colocation, into=self.handles,
@@ -125,7 +126,7 @@ class Fleet:
             await boot_engines(self.handles, BOOT_TIMEOUT_S, started, self.recipe)
             for eid in self.handles:
                 res = started[eid]
-                self.mark_up(eid, res["version"], res["pid"], res.get("incarnation"))
+                self.mark_up(eid, res.version, res.pid, res.incarnation)
             self.metrics.policy_version.set(self.version)
         except Exception as exc:  # noqa: BLE001 - any start-up error fails the deploy, leaving nothing behind
             why = f"start-up failed: {reason(exc)}"[:500]
@@ -314,7 +315,7 @@ class Fleet:
         """Create and boot the engines ``recipe`` has and the pool lacks (placement checked as at deploy), then
         admit each; on any failure the engines being added are removed."""
         made: dict[str, EngineHandle] = {}  # the existing engines too: their actors are found by name
-        started: dict[str, dict] = {}
+        started: dict[str, EngineStarted] = {}
         try:
             await asyncio.to_thread(create_engines, recipe, self.name, self.model_path, self.colocation, made,
                                     self.access)

@@ -21,6 +21,7 @@ from services.recipe.gpu_layout import check_pool_fits, gpu_census, pool_gpus_pe
 
 if TYPE_CHECKING:
     from services.pool.agent_driver import PoolAccess
+    from services.pool.engine_replies import EngineStarted
     from services.recipe.config import Recipe
 
 BOOT_TIMEOUT_S = 600.0
@@ -89,7 +90,7 @@ def _asks(recipe: Recipe | None) -> str:
     return f" (it asks for {k:g} GPU{'s' if k > 1 else ''}; {gpu_census(recipe).describe()})"
 
 
-async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | None = None) -> dict:
+async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | None = None) -> EngineStarted:
     """Wait until the actor answers, then start its engine. (Measured: a ``start`` call submitted while the
     actor was still being created never arrived; a first cheap call fixes it.)"""
     try:
@@ -101,8 +102,9 @@ async def _boot_one(eid: str, engine: Any, timeout_s: float, recipe: Recipe | No
         raise PoolStartError(f"engine {eid} did not start: {reason(exc)}") from exc
 
 
-async def boot_engines(engines: dict, timeout_s: float, started: dict, recipe: Recipe | None = None) -> None:
-    """Start every engine's vLLM engine, all at once; each answer (``{"version", "pid", ...}``) goes into
+async def boot_engines(engines: dict, timeout_s: float, started: dict[str, EngineStarted],
+                       recipe: Recipe | None = None) -> None:
+    """Start every engine's vLLM engine, all at once; each answer (:class:`EngineStarted`) goes into
     ``started`` as it comes. Raises :class:`PoolStartError` at the first engine that fails."""
     tasks = {asyncio.ensure_future(_boot_one(eid, e, timeout_s, recipe)): eid for eid, e in engines.items()}
     pending = set(tasks)

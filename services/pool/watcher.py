@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from ray.exceptions import RayActorError
 
 from services.pool.dispatch import Dispatcher
+from services.pool.engine_replies import EngineHealth
 from services.pool.fleet import CALL_TIMEOUT_S, Fleet
 
 log = logging.getLogger("inflight.pool")
@@ -89,26 +90,28 @@ class HealthWatcher:
             h = await self._health(eid)
             if h is None:
                 return  # late, not yet HEALTH_TIMEOUTS_TO_DOWN times in a row
-            if not h["ok"]:  # a new actor process, or vLLM's engine core died inside the actor
-                why = h.get("error") or "vLLM engine not running (actor restarted)"
+            if not h.ok:  # a new actor process, or vLLM's engine core died inside the actor
+                why = h.error or "vLLM engine not running (actor restarted)"
                 fleet.mark_down(eid, RuntimeError(f"{why}; starting it"))
                 await asyncio.wait_for(eng.start.remote(), START_TIMEOUT_S)
                 h = await asyncio.wait_for(eng.health.remote(), self.timeout_s)
-                if not h["ok"]:
-                    raise RuntimeError(f"vLLM engine still not serving after a restart: {h.get('error')}")
+                if not h.ok:
+                    raise RuntimeError(f"vLLM engine still not serving after a restart: {h.error}")
+            version = h.version
             # A restarted vLLM serves the model on disk: reinstall even if its version happens to match.
-            if (h["version"] != fleet.version or not h.get("synced", True)) and fleet.kept is not None:
+            if (h.version != fleet.version or not h.synced) and fleet.kept is not None:
                 if await self.reinstall(eid):
-                    h["version"] = fleet.version
+                    version = fleet.version
                 else:  # a collective push landed meanwhile and cleared the kept one
                     h = await asyncio.wait_for(eng.health.remote(), self.timeout_s)
-            fleet.mark_up(eid, h["version"], h["pid"], h.get("incarnation"))
+                    version = h.version
+            fleet.mark_up(eid, version, h.pid, h.incarnation)
             self._count(eid, await asyncio.wait_for(eng.stats.remote(), self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - recorded, retried next period
             fleet.mark_down(eid, exc)
         self.dispatcher.send_waiting()
 
-    async def _health(self, eid: str) -> dict | None:
+    async def _health(self, eid: str) -> EngineHealth | None:
         """The engine's health; None if it answered late fewer than ``HEALTH_TIMEOUTS_TO_DOWN`` times in a row
         (the last such timeout is raised)."""
         try:

@@ -436,16 +436,16 @@ class EngineKiller(threading.Thread):
         self.steps_at_kill = len(rows(self.run_dir))
         self.version_at_kill = _status(self.handle)["version"]
         health = ray.get(actor.health.remote(), timeout=30)
-        self.killed_pid = health["pid"] if self.target == "actor" else _engine_core_of(health["pid"])
+        self.killed_pid = health.pid if self.target == "actor" else _engine_core_of(health.pid)
         while True:  # a batch whose requests are in vLLM now (a batch may linger after its last group is sent)
-            if (ray.get(actor.health.remote(), timeout=30)["running_batches"]
+            if (ray.get(actor.health.remote(), timeout=30).running_batches
                     and ray.get(actor.stats.remote(), timeout=30)["requests_running"]):
                 os.kill(self.killed_pid, signal.SIGKILL)
                 break
             assert time.monotonic() < deadline, "the engine never had a batch in flight"
             time.sleep(0.05)
         self.times["kill"], self.kill_wall = time.monotonic(), time.time()
-        self.old_pid, self.old_incarnation = health["pid"], health.get("incarnation")
+        self.old_pid, self.old_incarnation = health.pid, health.incarnation
         while "ready" not in self.times or "step" not in self.times:
             now = time.monotonic()
             assert now < deadline + 300, f"no recovery: {_status(self.handle)}"

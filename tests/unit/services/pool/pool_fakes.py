@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.recipe.config import load_recipe
 from services.pool.dispatch import Dispatcher
+from services.pool.engine_replies import EngineHealth
 from services.pool.fleet import Fleet
 from services.pool.metrics import PoolMetrics
 from services.pool.watcher import HealthWatcher
@@ -28,7 +29,8 @@ class FakeEngine:
         self.health_calls += 1
         if self.slow:
             await asyncio.sleep(3600)
-        return {"ok": self.ok, "version": self.version, "pid": 1, "incarnation": f"1.{self.starts}"}
+        return EngineHealth("fake", ok=self.ok, error="", version=self.version, synced=True, running_batches=0,
+                            pid=1, incarnation=f"1.{self.starts}")
 
     async def _start(self):
         self.starts += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,22 +78,22 @@ def actor(monkeypatch, tmp_path):
 
 def test_health_asks_vllm_and_start_restarts_a_dead_engine_in_place(actor):
     async def scenario():
-        assert (await actor.health())["ok"] is False                   # not started yet
+        assert (await actor.health()).ok is False                      # not started yet
         first = await actor.start()
         h = await actor.health()
-        assert h["ok"] and not h.get("error") and h.get("incarnation") == first.get("incarnation")
+        assert h.ok and not h.error and h.incarnation == first.incarnation
         actor.engine.refits, actor.engine.version = 3, 7
-        assert (await actor.start()) == {**first, "version": 7}         # alive: start does nothing
+        assert (await actor.start()) == replace(first, version=7)       # alive: start does nothing
         assert len(FakeRolloutEngine.built) == 1
         dead = actor.engine
         dead.dead = "vLLM engine core died (engine_dead)"
         h = await actor.health()
-        assert h["ok"] is False and "engine core died" in h["error"]    # the actor lives; vLLM does not
+        assert h.ok is False and "engine core died" in h.error          # the actor lives; vLLM does not
         again = await actor.start()
         assert dead.shut_down and actor.engine is not dead and actor.engine.started
-        assert again["pid"] == first["pid"] and again["incarnation"] != first["incarnation"]
+        assert again.pid == first.pid and again.incarnation != first.incarnation
         h = await actor.health()
-        assert h["ok"] and h["version"] == 0 and not h["synced"]       # the model on disk, no push yet
+        assert h.ok and h.version == 0 and not h.synced                # the model on disk, no push yet
 
     asyncio.run(scenario())
 
@@ -146,7 +147,7 @@ def test_a_restarted_vllm_gets_the_latest_weights_even_at_the_same_version_and_l
         health = engine._health
 
         async def health_with_sync():
-            return {**await health(), "synced": synced["value"], "error": "" if engine.ok else "core died"}
+            return replace(await health(), synced=synced["value"], error="" if engine.ok else "core died")
         engine.health = ActorMethod(health_with_sync)
 
         await p.watcher.check_engine("e0")

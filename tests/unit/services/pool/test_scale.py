@@ -18,6 +18,7 @@ from pool_fakes import pool_of
 from services.recipe.config import load_recipe
 from services.pool import fleet as fleet_module
 from services.pool.engine_actor import BatchReport
+from services.pool.engine_replies import EngineHealth, EngineStarted
 from services.pool.fleet import ScaleError, ScaleRequestError
 from services.pool.startup import engine_name
 from services.refit.port import KeptPush
@@ -43,12 +44,13 @@ class Engine:
             setattr(self, name, ActorMethod(getattr(self, f"_{name}")))
 
     async def _health(self):
-        return {"ok": True, "version": self.version, "pid": 1, "incarnation": "1.1", "synced": self.version > 0}
+        return EngineHealth("fake", ok=True, error="", version=self.version, synced=self.version > 0,
+                            running_batches=0, pid=1, incarnation="1.1")
 
     async def _start(self):
         if not self.boots:
             raise RuntimeError("vLLM engine died while loading the model")
-        return {"version": self.version, "pid": 1, "incarnation": "1.1"}
+        return EngineStarted("fake", self.version, pid=1, incarnation="1.1")
 
     async def _stats(self):
         return {"pid": 1, "incarnation": "1.1", "tokens_generated": 0, "groups": 0}
