@@ -40,6 +40,7 @@
 # The seed and off-policy correction on one H200 (issues 36, 37; the bundle with EXTRA_REQS, docs/gpu.md):
 #   bash bench/gpu_session.sh Q   # the seed's async recipe (NeMo-RL's file, unchanged) on a tiny random Nano-Omni,
 #                                 # one GPU shared by engine and learner, 3 steps; the vllm_kwargs read back
+#                                 # (tests/integration/services/test_seed_recipe_gpu.py)
 #   bash bench/gpu_session.sh R   # routing replay off / on, the small Qwen3-MoE, colocated sync (age 0), 3 steps
 #   bash bench/gpu_session.sh S   # the same with the small Nemotron-H MoE hybrid
 set -u
@@ -223,25 +224,10 @@ P)
   cp "$OUT/nemotron_h_async/metrics.jsonl" "$OUT/nemotron_h_async_metrics.jsonl" 2>/dev/null
   ;;
 Q)
-  OMNI=$NH_DIR/tiny-omni CLEVR=$NH_DIR/clevr-cogent
-  [ -d "$OMNI" ] || $PY -m services.cli make-tiny-model "$OMNI" --arch nemotron_h_omni --max-positions 16384 \
-    --dtype bfloat16 > /dev/null
-  [ -d "$CLEVR" ] || $PY scripts/make_clevr.py --out-dir "$CLEVR" --images hub --num-train 64 --num-val 16 > /dev/null
-  SEED=tests/data/nemo_rl/recipes/vlm/vlm_grpo-nemotron-omni-30ba3b-clevr-8n4g-megatron-tp1ep8-async.v1.yaml
-  ONE="policy.model_name=$OMNI data.train.data_path=$CLEVR/train data.validation.data_path=$CLEVR/valA \
-    cluster.num_nodes=1 cluster.gpus_per_node=1 policy.generation.colocated.resources.num_nodes=null \
-    policy.generation.colocated.resources.gpus_per_node=1 rollout_pool.share_gpu=true rollout_pool.num_engines=1 \
-    policy.generation.vllm_cfg.gpu_memory_utilization=0.45 policy.megatron_cfg.gpu_memory_fraction=0.45 \
-    policy.refit_transport=cuda_ipc policy.megatron_cfg.tensor_model_parallel_size=1 \
-    policy.megatron_cfg.expert_model_parallel_size=1 policy.generation.vllm_cfg.tensor_parallel_size=1 \
-    policy.generation.vllm_cfg.expert_parallel_size=1 grpo.max_num_steps=3 grpo.num_prompts_per_step=16 \
-    grpo.num_generations_per_prompt=16 policy.train_global_batch_size=256 policy.generation_batch_size=256 \
-    policy.generation.max_new_tokens=512 logger.wandb_enabled=false ${SEED_EXTRA:-}"
-  step seed_validate 100 $PY -m services.cli validate --recipe $SEED $ONE
-  step seed_async_one_gpu 470 $PY -m services.cli run --recipe $SEED $ONE --run-dir "$OUT/seed_async"
-  grep -rhE "read back from|but the engine runs|no field of vLLM" "$OUT/seed_async.log" \
-    /tmp/ray/session_latest/logs 2>/dev/null | sed 's/.*rollout engine/rollout engine/' | sort -u | cut -c1-300
-  cp "$OUT/seed_async/metrics.jsonl" "$OUT/seed_async_metrics.jsonl" 2>/dev/null
+  step seed_recipe_gpu_test 560 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider \
+    tests/integration/services/test_seed_recipe_gpu.py
+  grep -ho "SEED_GPU .*" "$OUT/seed_recipe_gpu_test.log" > "$OUT/seed_recipe_gpu.jsonl"
+  grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
   ;;
 R|S)
   if [ "$PHASE" = R ]; then model=$moe; else model=$NH_DIR/nemotron-h-moe-small
