@@ -2,7 +2,8 @@
 NeMo-RL's Nemotron-3-Nano-Omni recipes (tests/data/nemo_rl/recipes/vlm, unmodified) validated, then each run for 3
 steps on CPU with the overrides the README lists: the sync colocated one on the policy it trains (age 0), the async
 1-off one on trajectories one version old with a weight push into the running engine every step; the images reach
-both sides (no image failed, the parity probe scored image prompts within bfloat16's reach)."""
+both sides (no image failed, the parity probe scored image prompts within bfloat16's reach); the engines run with the
+recipes' vllm_kwargs, read back from vLLM's own config."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("step", 0) >= 1 and "reward_mean" in r]
 
 
+def engine_log(run_dir: Path) -> str:
+    """What the run's Ray workers logged (the rollout engine's lines among them)."""
+    return "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs/ray").glob("worker-*.err")))
+
+
 def test_readme_seed_recipes_validate_and_run_3_steps(tmp_path):
     commands = readme_commands(README_SECTION)
     assert sum("inflight validate" in c for c in commands) == 2 and sum("inflight run" in c for c in commands) == 2
@@ -30,6 +36,12 @@ def test_readme_seed_recipes_validate_and_run_3_steps(tmp_path):
             assert r["data_image_failures"] == 0 and r["parity_engines_probed"] >= 1, r
             assert r["gen_kl_error"] < 1e-2, r  # bfloat16 engine and learner on image prompts
             assert r["refit_transport"] and r["refit_pause_s"] > 0, r  # each step's policy reached the engine
+    for run, seqs in (("seed-sync", 64), ("seed-async", 128)):  # the recipes' vllm_kwargs, read back from vLLM
+        log = engine_log(tmp_path / "runs" / run)
+        assert f"vllm_kwargs.max_num_seqs={seqs} read back from scheduler_config.max_num_seqs" in log
+        assert "vllm_kwargs.mamba_ssm_cache_dtype='float32' read back from cache_config.mamba_ssm_cache_dtype" in log
+        assert "read back from model_config.multimodal_config.limit_per_prompt" in log
+        assert "but the engine runs with" not in log and "no field of vLLM's config holds it" not in log
     assert [r["policy_version"] for r in async_] == [1.0, 2.0, 3.0]
     assert all(r["trajectory_age_mean"] == 0 for r in sync)
     assert [r["trajectory_age_mean"] for r in async_[1:]] == [1.0, 1.0]  # 1-off: generated while the learner trained
