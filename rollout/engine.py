@@ -10,10 +10,12 @@ labels (:mod:`rollout.labels`). docs/rollout.md describes the whole engine.
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,6 +24,7 @@ from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifes
 from protocol.images import PromptImage
 from rollout.completion_order import in_completion_order
 from rollout.config import GenerationConfig
+from rollout.counters import EnvCounters, RolloutCounters
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import BoundedEnvironment
 from rollout.errors import EngineError, bounded
@@ -201,28 +204,32 @@ class RolloutEngine:
     def stats(self) -> dict:
         """Counters: groups, samples, tokens, running requests, retries, aborts, episodes (turns, environment
         tokens, failures, truncations, time awaiting the environment), installs and their cost, and vLLM's
-        preemptions / re-prefilled tokens / sampled tokens and unfinished requests (:mod:`rollout.kv_stats`)."""
-        out: dict[str, Any] = {**vars(self.sampler.stats), **self.installer.stats.as_dict()}
-        out.update(sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, version=self.version,
-                   engine_id=self.engine_id, weights_broken=self.installer.broken, **self._kv.as_stats(),
-                   vllm_unfinished_requests=self._llm.get_num_unfinished_requests() if self._llm is not None else 0)
-        if (env := self.sampler.environment) is not None:
-            out["env"] = self._env_stats(env)
-        return out
+        preemptions / re-prefilled tokens / sampled tokens and unfinished requests (:mod:`rollout.kv_stats`); the
+        flat dict of :meth:`counters`."""
+        return self.counters().as_dict()
 
-    def _env_stats(self, env: Any) -> dict[str, Any]:
+    def counters(self) -> RolloutCounters:
+        """The counters now, typed (:class:`rollout.counters.RolloutCounters`; copies, not the live ones)."""
+        env = self.sampler.environment
+        return RolloutCounters(
+            engine_id=self.engine_id, version=self.version, sampling=copy.deepcopy(self.sampler.stats),
+            installs=copy.deepcopy(self.installer.stats), kv=copy.deepcopy(self._kv),
+            sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, weights_broken=self.installer.broken,
+            vllm_unfinished_requests=self._llm.get_num_unfinished_requests() if self._llm is not None else 0,
+            env=None if env is None else self._env_counters(env))
+
+    def _env_counters(self, env: Any) -> EnvCounters:
         """The environment's counters for the pool's metrics: the episode counters, and for a server its calls
         by outcome (:class:`rollout.episodes.env_http.EnvCallStats`) and retries."""
         s = self.sampler.stats
-        out: dict[str, Any] = {"name": env.name, "episodes": s.episodes, "turns": s.turns, "env_tokens": s.env_tokens,
-                               "env_failures": s.env_failures, "episodes_truncated": s.episodes_truncated,
-                               "env_wait_seconds": s.env_wait_seconds}
+        counters = EnvCounters(env.name, episodes=s.episodes, env_failures=s.env_failures,
+                               env_wait_seconds=s.env_wait_seconds, turns=s.turns, env_tokens=s.env_tokens,
+                               episodes_truncated=s.episodes_truncated)
         calls = getattr(env.env, "stats", None)
-        if calls is not None and hasattr(calls, "retries"):
-            outcomes = ("ok", "failed_step", "timeout", "http_5xx", "http_4xx", "malformed", "connection")
-            out["calls"] = {o: int(getattr(calls, o)) for o in outcomes}
-            out["retries"] = int(calls.retries)
-        return out
+        if calls is None or not hasattr(calls, "retries"):
+            return counters
+        outcomes = ("ok", "failed_step", "timeout", "http_5xx", "http_4xx", "malformed", "connection")
+        return replace(counters, calls={o: int(getattr(calls, o)) for o in outcomes}, retries=int(calls.retries))
 
     def dead_reason(self) -> str:
         """Why the started vLLM engine cannot serve any more (:mod:`rollout.liveness`); '' while it can."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from protocol import PromptRequest, Trajectory, TrajectoryGroup
 from rollout.completion_order import in_completion_order
+from rollout.counters import EnvCounters
 from rollout.episodes.episode import failed_trajectory
 from services.pool.openai_api import rollout_key
 from services.pool.session_episode import SessionBroken, session_episode
@@ -202,11 +203,16 @@ class AgentDriver:
         if self._server is not None:
             await self._server.aclose()
 
-    def snapshot(self) -> dict[str, Any]:
-        """The counters as an engine's ``stats()["env"]`` (the pool's ``inflight_env_*`` metrics)."""
+    def env_counters(self) -> EnvCounters:
+        """The counters as an engine's environment counters (the pool's ``inflight_env_*`` metrics); an agent
+        counts no turns, environment tokens or truncations."""
         s = self.stats
-        return {"name": self.spec.name, "episodes": s.episodes, "env_failures": s.env_failures,
-                "env_wait_seconds": s.env_wait_seconds, "calls": dict(s.calls), "retries": s.retries}
+        return EnvCounters(self.spec.name, episodes=s.episodes, env_failures=s.env_failures,
+                           env_wait_seconds=s.env_wait_seconds, calls=dict(s.calls), retries=s.retries)
+
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`env_counters` as plain values (an engine's ``stats()["env"]``)."""
+        return self.env_counters().as_dict()
 
 
 def _checked_reward(value: Any, name: str) -> float:

@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 
 from protocol import PromptRequest, decode
 from protocol.pool_replies import AttachedLearner, EvaluationReply, FailedPrompt, UndeliveredPrompt
-from services.pool.engine_actor import BatchReport
+from services.pool.engine_replies import BatchReport
 from services.pool.fleet import Fleet
 from services.refit.result import remote_cause
 

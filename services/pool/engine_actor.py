@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from protocol import ControlMessage, PromptRequest, WeightBucket, WeightManifest, decode, encode
@@ -27,7 +27,7 @@ from protocol.pool_replies import EvaluationReply, FailedPrompt, UndeliveredProm
 from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
 from services.models.files import ModelFiles
-from services.pool.engine_replies import EngineHealth, EngineStarted
+from services.pool.engine_replies import BatchReport, ChatCounters, EngineHealth, EngineStarted, EngineStats
 from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
@@ -36,19 +36,6 @@ if TYPE_CHECKING:
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.engine")
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    """What :meth:`EngineActor.generate` answers the pool once a batch is delivered or given up on."""
-
-    prompts: int
-    undelivered: list[UndeliveredPrompt]
-    """Prompts whose group (or error report) the channel did not take in time."""
-    engine_dead: str = ""
-    """Why the vLLM engine core died during the batch ('' if it did not)."""
-    requeue: list[int] = field(default_factory=list)
-    """With ``engine_dead``: the indices of the prompts not delivered, for the pool to send elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +198,7 @@ class EngineActor:
         ``synced``: a push was installed since this vLLM engine started."""
         error = self.engine.dead_reason() if self._started else "vLLM engine not started"
         return EngineHealth(self.engine_id, ok=not error, error=error, version=self.engine.version,
-                            synced=self.engine.stats()["refits"] > 0, running_batches=len(self._tasks),
+                            synced=self.engine.counters().installs.refits > 0, running_batches=len(self._tasks),
                             pid=self.pid, incarnation=self.incarnation)
 
     async def generate(self, prompt_bytes: list[bytes], group_size: int, channel) -> BatchReport:
@@ -356,13 +343,13 @@ class EngineActor:
     async def install_from_group(self, reset: bool = False) -> GroupInstall:
         """Receive the weight group's next push and install it in flight."""
         version = await self._unless_dead(self.engine.install_from_group(reset=reset))
-        return GroupInstall.from_stats(version, self.engine.stats())
+        return GroupInstall.of(version, self.engine.counters().installs)
 
     async def install_ipc(self, manifest_bytes: bytes, shares: list, reset: bool = False) -> GroupInstall:
         """Map a colocated learner's buckets through their CUDA IPC ``shares`` and install them in flight."""
         manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
         version = await self._unless_dead(self.engine.install_ipc(manifest, shares, reset=reset))
-        return GroupInstall.from_stats(version, self.engine.stats())
+        return GroupInstall.of(version, self.engine.counters().installs)
 
     async def gpu_uuids(self) -> list[str]:
         """The UUID of each vLLM worker's GPU ('' on CPU)."""
@@ -381,16 +368,17 @@ class EngineActor:
     async def wake_up(self) -> None:
         await self.engine.wake_up()
 
-    async def stats(self) -> dict:
-        s = dict(self.engine.stats())
+    async def stats(self) -> EngineStats:
+        """The rollout engine's counters (the agent driver's environment counters when agents play), the chat
+        serving's and the actor's own (:class:`EngineStats`)."""
+        counters = self.engine.counters()
         if self._agents is not None:
-            s["env"] = self._agents.snapshot()
-        if self._chat is not None:
-            s.update(openai_answers_spliced=self._chat[1].answers_spliced,
-                     openai_splice_refused=self._chat[1].splice_refused)
-        s.update(engine_id=self.engine_id, version=self.engine.version, channel_send_failures=self._send_failures,
-                 running_batches=len(self._tasks), pid=self.pid, incarnation=self.incarnation)
-        return s
+            counters = replace(counters, env=self._agents.env_counters())
+        chat = None if self._chat is None else ChatCounters(self._chat[1].answers_spliced,
+                                                            self._chat[1].splice_refused)
+        return EngineStats(self.engine_id, self.engine.version, self.pid, self.incarnation,
+                           running_batches=len(self._tasks), channel_send_failures=self._send_failures,
+                           counters=counters, chat=chat)
 
     async def shutdown(self) -> None:
         for t in list(self._tasks):

@@ -38,7 +38,7 @@ from services.refit.result import RefitError, describe, failure_reason
 
 if TYPE_CHECKING:
     from services.pool.agent_driver import PoolAccess
-    from services.pool.engine_replies import EngineStarted
+    from services.pool.engine_replies import EngineStarted, EngineStats
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.pool")
@@ -217,10 +217,13 @@ class Fleet:
         await asyncio.gather(*[e.wake_up.remote() for e in self.handles.values()])
 
     async def engine_stats(self) -> dict[str, dict]:
+        """Each engine's stats as a flat dict (:meth:`EngineStats.as_dict`: the pool's answer to its callers,
+        read by key in the job wing), or ``{"error": ...}`` if it did not answer."""
         out = {}
         for eid, eng in self.handles.items():
             try:
-                out[eid] = await asyncio.wait_for(eng.stats.remote(), CALL_TIMEOUT_S)
+                stats: EngineStats = await asyncio.wait_for(eng.stats.remote(), CALL_TIMEOUT_S)
+                out[eid] = stats.as_dict()
             except Exception as exc:  # noqa: BLE001
                 out[eid] = {"error": repr(exc)[:200]}
         return out

@@ -42,8 +42,8 @@ ENV_COUNTERS = {
                            "context before the environment ended them"),
     "env_wait_seconds": ("inflight_env_wait_seconds", "Seconds samples spent waiting for their environment"),
 }
-"""An engine's per-environment counters (``RolloutEngine.stats()["env"]``) -> (metric name, help); each is
-labelled ``env``."""
+"""An engine's per-environment counters (the fields of :class:`rollout.counters.EnvCounters`) -> (metric name,
+help); each is labelled ``env``."""
 MISMATCH_GAUGES = {
     "mean": ("inflight_logprob_mismatch_mean", "Mean over the last step's sequences of their mean |learner pi_prev - "
              "engine| log-prob of the sampled tokens"),

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from html import escape
 from typing import Any
 
+from services.pool.engine_replies import EngineStats
 from services.pool.mismatch import mismatch_section
 from services.pool.status_table import NONE, engine_state, fmt_bytes, fmt_duration, fmt_seconds
 from services.pool.svg_plots import Series, line_plot, stacked_bars
@@ -173,8 +174,8 @@ class TokenRates:
                                        return_exceptions=True)
         now = time.time()
         for eid, stats in zip(eids, answers, strict=True):
-            if isinstance(stats, dict) and isinstance(stats.get("tokens_generated"), int):
-                self.observe(eid, stats["tokens_generated"], now)
+            if isinstance(stats, EngineStats):
+                self.observe(eid, stats.counters.sampling.tokens_generated, now)
 
 
 # ---------------------------------------------------------------------------------------------- rendering

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ray.exceptions import RayActorError
 
 from services.pool.dispatch import Dispatcher
-from services.pool.engine_replies import EngineHealth
+from services.pool.engine_replies import EngineHealth, EngineStats
 from services.pool.fleet import CALL_TIMEOUT_S, Fleet
 
 log = logging.getLogger("inflight.pool")
@@ -147,27 +148,28 @@ class HealthWatcher:
         except RayActorError:
             self.dispatcher.detach()
 
-    def _count(self, eid: str, stats: dict) -> None:
+    def _count(self, eid: str, stats: EngineStats) -> None:
         """Fold an engine's cumulative counters into the pool's Prometheus counters (deltas; a restarted
         engine starts from zero again)."""
-        now_in = stats.get("incarnation", stats.get("pid"))
+        now_in = stats.incarnation
         seen = self._counted.setdefault(eid, {"incarnation": now_in})
         if seen["incarnation"] != now_in:
             seen.clear()
             seen["incarnation"] = now_in
-        metrics = self.fleet.metrics
-        counters = [(key, stats.get(stat, 0), counter) for key, stat, counter in (
-            ("tokens", "tokens_generated", metrics.generation_tokens), ("groups", "groups", metrics.groups_generated),
-            ("spliced", "openai_answers_spliced", metrics.openai_spliced),
-            ("splice_refused", "openai_splice_refused", metrics.openai_splice_refused))]
-        if env := stats.get("env"):  # {"name", counters..., "calls": {outcome: n}, "retries"}
-            label = {"env": str(env["name"])}
-            counters += [(f"env:{key}", env[key], metrics.env_counters[key].labels(**label))
-                         for key in metrics.env_counters if key in env]
+        metrics, sampling, chat = self.fleet.metrics, stats.counters.sampling, stats.chat
+        counters: list[tuple[str, float, Any]] = [
+            ("tokens", sampling.tokens_generated, metrics.generation_tokens),
+            ("groups", sampling.groups, metrics.groups_generated),
+            ("spliced", chat.answers_spliced if chat else 0, metrics.openai_spliced),
+            ("splice_refused", chat.splice_refused if chat else 0, metrics.openai_splice_refused)]
+        if (env := stats.counters.env) is not None:  # a counter the environment does not keep is None
+            label = {"env": env.name}
+            counters += [(f"env:{key}", value, metrics.env_counters[key].labels(**label))
+                         for key in metrics.env_counters if (value := getattr(env, key)) is not None]
             counters += [(f"env:calls:{outcome}", n, metrics.env_calls.labels(outcome=outcome, **label))
-                         for outcome, n in env.get("calls", {}).items()]
-            if "retries" in env:
-                counters.append(("env:retries", env["retries"], metrics.env_retries.labels(**label)))
+                         for outcome, n in (env.calls or {}).items()]
+            if env.retries is not None:
+                counters.append(("env:retries", env.retries, metrics.env_retries.labels(**label)))
         for key, now, counter in counters:
             before = seen.get(key, 0)
             if now > before:

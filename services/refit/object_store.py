@@ -135,7 +135,8 @@ class ObjectStoreFanout:
         version = await asyncio.wait_for(handle.install.remote(manifest_bytes, refs, reset), timeout_s)
         self.pool.installed(eid, version)
         try:
-            report = GroupInstall.from_stats(version, await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S))
+            stats = await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S)  # the engine actor's EngineStats
+            report = GroupInstall.of(version, stats.counters.installs)
         except Exception as exc:  # noqa: BLE001 - the install stands; only its report is missing
             log.warning("engine %s installed v%d but did not report how: %s", eid, version, exc)
             return None

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from ray.exceptions import RayActorError, RayTaskError
 
 from protocol import ProtocolError
-from rollout.install.installer import PauseBreakdown
+from rollout.install.installer import InstallStats, PauseBreakdown
 from rollout.install.weight_receiver import WeightUpdateError
 from rollout.liveness import EngineDead
 
@@ -70,12 +70,11 @@ class GroupInstall:
     phases: PauseBreakdown | None = None
 
     @classmethod
-    def from_stats(cls, version: int, stats: dict[str, Any]) -> GroupInstall:
-        """The install an engine just made, from its ``RolloutEngine.stats()``."""
-        return cls(version=version, bytes=stats["refit_bytes_last"], pause_s=stats["pause_seconds_last"],
-                   install_s=stats["install_seconds_last"], install_path=stats["install_path_last"],
-                   drain_complete=stats["drain_complete_last"],
-                   phases=PauseBreakdown(**stats["phases_last"]))
+    def of(cls, version: int, installs: InstallStats) -> GroupInstall:
+        """The install an engine just made, from its install counters (``RolloutEngine.counters().installs``)."""
+        return cls(version=version, bytes=installs.refit_bytes_last, pause_s=installs.pause_seconds_last,
+                   install_s=installs.install_seconds_last, install_path=installs.install_path_last,
+                   drain_complete=installs.drain_complete_last, phases=dataclasses.replace(installs.phases_last))
 
 
 def slowest(phases: list[PauseBreakdown]) -> PauseBreakdown | None:

@@ -439,7 +439,7 @@ class EngineKiller(threading.Thread):
         self.killed_pid = health.pid if self.target == "actor" else _engine_core_of(health.pid)
         while True:  # a batch whose requests are in vLLM now (a batch may linger after its last group is sent)
             if (ray.get(actor.health.remote(), timeout=30).running_batches
-                    and ray.get(actor.stats.remote(), timeout=30)["requests_running"]):
+                    and ray.get(actor.stats.remote(), timeout=30).counters.sampling.requests_running):
                 os.kill(self.killed_pid, signal.SIGKILL)
                 break
             assert time.monotonic() < deadline, "the engine never had a batch in flight"

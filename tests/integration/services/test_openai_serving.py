@@ -174,7 +174,7 @@ def test_a_caller_that_hangs_up_stops_its_request_and_gives_its_place_back(serve
     headers = {"Authorization": f"Bearer {serving_key(TOKEN)}"}
     hung_up_before = _openai_requests(url).get("hung_up", 0.0)
     for stream in (False, True):
-        before = ray.get(engine.stats.remote(), timeout=30)["vllm_generated_tokens"]
+        before = ray.get(engine.stats.remote(), timeout=30).counters.kv.vllm_generated_tokens
         if stream:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers,
                               timeout=60) as answer:
@@ -185,10 +185,10 @@ def test_a_caller_that_hangs_up_stops_its_request_and_gives_its_place_back(serve
                 httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers,
                            timeout=httpx.Timeout(60, read=1.0))
         deadline = time.monotonic() + 60
-        while (stats := ray.get(engine.stats.remote(), timeout=30))["vllm_unfinished_requests"]:
+        while (stats := ray.get(engine.stats.remote(), timeout=30).counters).vllm_unfinished_requests:
             assert time.monotonic() < deadline, f"stream={stream}: the engine still runs the request: {stats}"
             time.sleep(0.2)
-        sampled = stats["vllm_generated_tokens"] - before
+        sampled = stats.kv.vllm_generated_tokens - before
         assert 0 < sampled < HANG_UP_N * HANG_UP_TOKENS, (stream, sampled)
     after = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
     assert after.choices[0].finish_reason in ("stop", "length")

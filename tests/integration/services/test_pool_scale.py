@@ -112,7 +112,7 @@ class Scaler(threading.Thread):
 
         self._wait(lambda: len(self.from_new_engine()) >= GROUPS_FROM_NEW_ENGINE, "groups from the new engine")
         actor = ray.get_actor(ENGINE_1, namespace="inflight")
-        self._wait(lambda: ray.get(actor.stats.remote(), timeout=30)["requests_running"] > 0,
+        self._wait(lambda: ray.get(actor.stats.remote(), timeout=30).counters.sampling.requests_running > 0,
                    "a batch of the new engine in vLLM")
         t0 = time.monotonic()
         self.down_result = self.handle.scale.remote(1, 0.0).result(timeout_s=300)

@@ -4,9 +4,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from rollout.counters import EnvCounters, RolloutCounters
+from rollout.install.installer import InstallStats
+from rollout.kv_stats import KvCounters
+from rollout.sampling import SamplingStats
 from services.recipe.config import load_recipe
 from services.pool.dispatch import Dispatcher
-from services.pool.engine_replies import EngineHealth
+from services.pool.engine_replies import EngineHealth, EngineStats
 from services.pool.fleet import Fleet
 from services.pool.metrics import PoolMetrics
 from services.pool.watcher import HealthWatcher
@@ -38,7 +42,17 @@ class FakeEngine:
         self.ok = True
 
     async def _stats(self):
-        return {"pid": 1, "tokens_generated": 0, "groups": 0}
+        return engine_stats(incarnation="1")
+
+
+def engine_stats(tokens_generated: int = 0, groups: int = 0, *, incarnation: str = "1.1",
+                 env: EnvCounters | None = None) -> EngineStats:
+    """What an engine actor's ``stats`` answers: every counter 0 but those given."""
+    counters = RolloutCounters("fake", 0, SamplingStats(tokens_generated=tokens_generated, groups=groups),
+                               InstallStats(), KvCounters(), sleeps_skipped_on_cpu=0, weights_broken="",
+                               vllm_unfinished_requests=0, env=env)
+    return EngineStats("fake", 0, pid=1, incarnation=incarnation, running_batches=0, channel_send_failures=0,
+                       counters=counters)
 
 
 def fleet_of(engines: dict, version: int = 0) -> Fleet:

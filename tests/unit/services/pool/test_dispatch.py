@@ -11,7 +11,7 @@ from pool_fakes import fleet_of
 
 from protocol import PromptRequest, encode
 from services.pool.dispatch import Batch, Dispatcher
-from services.pool.engine_actor import BatchReport
+from services.pool.engine_replies import BatchReport
 
 
 class _FailingGenerate:

@@ -13,7 +13,7 @@ from pool_fakes import fleet_of
 from protocol import PromptRequest, decode, encode
 from protocol.pool_replies import EvaluationReply
 from services.pool.dispatch import Dispatcher
-from services.pool.engine_actor import BatchReport
+from services.pool.engine_replies import BatchReport
 
 
 def test_evaluate_answers_the_caller_and_an_engine_failure_fails_only_its_share():

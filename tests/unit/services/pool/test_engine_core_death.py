@@ -14,11 +14,16 @@ import pytest
 import rollout.engine
 from protocol import ControlMessage, PromptRequest, TrajectoryGroup, decode, encode
 from rollout.config import GenerationConfig
+from rollout.counters import RolloutCounters
+from rollout.install.installer import InstallStats
+from rollout.kv_stats import KvCounters
 from rollout.liveness import EngineDead
+from rollout.sampling import SamplingStats
 from handle_fakes import ActorMethod
 from pool_fakes import FakeEngine, pool_of
 from services.pool.dispatch import Batch
-from services.pool.engine_actor import BatchReport, EngineActor, EngineSpec
+from services.pool.engine_actor import EngineActor, EngineSpec
+from services.pool.engine_replies import BatchReport
 from services.refit.port import KeptPush
 
 
@@ -40,8 +45,9 @@ class FakeRolloutEngine:
     def dead_reason(self) -> str:
         return self.dead
 
-    def stats(self) -> dict:
-        return {"refits": self.refits}
+    def counters(self) -> RolloutCounters:
+        return RolloutCounters("e0", self.version, SamplingStats(), InstallStats(refits=self.refits), KvCounters(),
+                               sleeps_skipped_on_cpu=0, weights_broken="", vllm_unfinished_requests=0)
 
     async def generate(self, requests, group_size):
         yield _group(requests[0])  # the first prompt is delivered, then the core dies

@@ -32,16 +32,20 @@ def test_step_statistics_reach_their_gauges():
 
 
 def test_an_engines_environment_counters_reach_metrics_by_environment_as_deltas():
-    from pool_fakes import FakeEngine, pool_of
+    from dataclasses import replace
+
+    from pool_fakes import FakeEngine, engine_stats, pool_of
+    from rollout.counters import EnvCounters
 
     p = pool_of({"e0": FakeEngine(ok=True)})
-    env = {"name": "judge", "episodes": 4, "turns": 9, "env_tokens": 120, "env_failures": 1, "episodes_truncated": 2,
-           "env_wait_seconds": 0.5, "calls": {"ok": 12, "timeout": 1, "http_5xx": 2}, "retries": 3}
-    p.watcher._count("e0", {"incarnation": "1.1", "tokens_generated": 50, "groups": 2, "env": env})
-    p.watcher._count("e0", {"incarnation": "1.1", "tokens_generated": 60, "groups": 3,
-                            "env": dict(env, episodes=6, calls={"ok": 15, "timeout": 1, "http_5xx": 2})})
-    p.watcher._count("e0", {"incarnation": "1.2", "tokens_generated": 5, "groups": 1,  # vLLM restarted: from 0
-                            "env": {"name": "judge", "episodes": 1, "calls": {"malformed": 1}}})
+    env = EnvCounters("judge", episodes=4, turns=9, env_tokens=120, env_failures=1, episodes_truncated=2,
+                      env_wait_seconds=0.5, calls={"ok": 12, "timeout": 1, "http_5xx": 2}, retries=3)
+    p.watcher._count("e0", engine_stats(50, 2, incarnation="1.1", env=env))
+    p.watcher._count("e0", engine_stats(60, 3, incarnation="1.1", env=replace(
+        env, episodes=6, calls={"ok": 15, "timeout": 1, "http_5xx": 2})))
+    p.watcher._count("e0", engine_stats(5, 1, incarnation="1.2",  # vLLM restarted: from 0
+                                        env=EnvCounters("judge", episodes=1, env_failures=0, env_wait_seconds=0.0,
+                                                        calls={"malformed": 1})))
     got = samples(p.fleet.metrics)
     judge = (("env", "judge"),)
     assert got[("inflight_env_episodes_total", judge)] == 7

@@ -13,12 +13,11 @@ from types import SimpleNamespace
 import pytest
 import ray
 from handle_fakes import ActorMethod
-from pool_fakes import pool_of
+from pool_fakes import engine_stats, pool_of
 
 from services.recipe.config import load_recipe
 from services.pool import fleet as fleet_module
-from services.pool.engine_actor import BatchReport
-from services.pool.engine_replies import EngineHealth, EngineStarted
+from services.pool.engine_replies import BatchReport, EngineHealth, EngineStarted
 from services.pool.fleet import ScaleError, ScaleRequestError
 from services.pool.startup import engine_name
 from services.refit.port import KeptPush
@@ -53,7 +52,7 @@ class Engine:
         return EngineStarted("fake", self.version, pid=1, incarnation="1.1")
 
     async def _stats(self):
-        return {"pid": 1, "incarnation": "1.1", "tokens_generated": 0, "groups": 0}
+        return engine_stats(incarnation="1.1")
 
     async def _install(self, manifest_bytes, refs, reset):
         await self.install_gate.wait()

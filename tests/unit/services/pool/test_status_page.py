@@ -12,7 +12,7 @@ import types
 from html.parser import HTMLParser
 
 import pytest
-from pool_fakes import FakeEngine, pool_of
+from pool_fakes import FakeEngine, engine_stats, pool_of
 
 from protocol.pool_replies import AttachedLearner
 from services.pool.deployment import RolloutPool
@@ -128,7 +128,7 @@ def test_token_rates_sample_engines_that_answer_in_time():
     counts = iter([0, 4000])
 
     async def fast_stats():
-        return {"tokens_generated": next(counts)}
+        return engine_stats(next(counts))
 
     async def slow_stats():
         await asyncio.sleep(3600)

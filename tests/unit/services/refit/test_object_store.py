@@ -10,8 +10,12 @@ import pytest
 
 from protocol import WeightManifest, decode, encode
 from protocol.weights import pack_buckets
-from rollout.install.installer import PauseBreakdown
+from rollout.counters import RolloutCounters
+from rollout.install.installer import InstallStats, PauseBreakdown
 from rollout.install.weight_receiver import WeightUpdateError
+from rollout.kv_stats import KvCounters
+from rollout.sampling import SamplingStats
+from services.pool.engine_replies import EngineStats
 from services.recipe.config import load_recipe
 from services.refit import RefitError, RefitResult
 from services.refit.object_store import ObjectStoreFanout
@@ -29,11 +33,15 @@ class FakeInstaller:
         self.stats = ActorMethod(self._stats)
 
     async def _stats(self):
-        """What RolloutEngine.stats() says about the last install (the pool's metrics read it)."""
+        """What the engine actor's stats say about the last install (the pool's metrics read it)."""
         phases = dict.fromkeys(f.name for f in dataclasses.fields(PauseBreakdown))
-        return {"refit_bytes_last": 8, "pause_seconds_last": 0.01 * self.calls, "install_seconds_last": 0.004,
-                "install_path_last": "", "drain_complete_last": self.calls != 3,
-                "phases_last": {k: 0.001 * self.calls for k in phases}}
+        installs = InstallStats(refit_bytes_last=8, pause_seconds_last=0.01 * self.calls, install_seconds_last=0.004,
+                                install_path_last="", drain_complete_last=self.calls != 3,
+                                phases_last=PauseBreakdown(**{k: 0.001 * self.calls for k in phases}))
+        counters = RolloutCounters("e", self.version, SamplingStats(), installs, KvCounters(), sleeps_skipped_on_cpu=0,
+                                   weights_broken="", vllm_unfinished_requests=0)
+        return EngineStats("e", self.version, pid=1, incarnation="1.1", running_batches=0, channel_send_failures=0,
+                           counters=counters)
 
     async def _install(self, manifest_bytes, refs, reset):
         self.calls += 1
