@@ -50,6 +50,13 @@ mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
+# datasets fingerprints through dill, which pickles a module by value when its path names no 'site-packages'
+# (unsloth#9791): from /tmp/site, Dataset.from_dict died with "Can't pickle <class 'MonthDayNano'>" on the H200.
+# The bundle's /tmp/site is reached as /tmp/site-packages instead.
+if [ -d /tmp/site ] && [[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]]; then
+  ln -sfn /tmp/site /tmp/site-packages
+  PYTHONPATH=$(echo ":$PYTHONPATH:" | sed 's#:/tmp/site:#:/tmp/site-packages:#; s#^:##; s#:$##'); export PYTHONPATH
+fi
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
 step() {  # step NAME SECONDS CMD...: run CMD with a deadline, log to $OUT/NAME.log, report the outcome
@@ -73,6 +80,10 @@ throughput() {  # throughput NAME SECONDS [--eager]: pool engine vs raw vLLM, 0.
 moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
   step moe_parity_test "$1" $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
     -p no:cacheprovider
+}
+ray_logs() {  # the last lines of every Ray worker's stderr of the latest session (a run that hung says why there)
+  for f in /tmp/ray/session_latest/logs/worker-*.err; do [ -s "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done \
+    > "$OUT/ray_worker_tails.log" 2>/dev/null
 }
 dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
@@ -224,10 +235,12 @@ P)
   cp "$OUT/nemotron_h_async/metrics.jsonl" "$OUT/nemotron_h_async_metrics.jsonl" 2>/dev/null
   ;;
 Q)
+  [ -d data/clevr-gpu ] && export INFLIGHT_SEED_CLEVR=$PWD/data/clevr-gpu  # made on the CPU machine, carried
   step seed_recipe_gpu_test 560 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider \
     tests/integration/services/test_seed_recipe_gpu.py
   grep -ho "SEED_GPU .*" "$OUT/seed_recipe_gpu_test.log" > "$OUT/seed_recipe_gpu.jsonl"
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
+  ray_logs
   ;;
 R|S)
   if [ "$PHASE" = R ]; then model=$moe; else model=$NH_DIR/nemotron-h-moe-small
@@ -236,10 +249,12 @@ R|S)
     policy.generation.vllm_cfg.moe_backend=triton policy.generation.vllm_cfg.enforce_eager=true \
     logger.tensorboard_enabled=false checkpointing.enabled=false"
   for replay in false true; do
-    step "replay_$replay" $(( $(left) / 2 + 10 )) $PY -m services.cli run $REP --run-dir "$OUT/replay_$replay" \
-      policy.generation.vllm_cfg.enable_return_routed_experts=$replay policy.megatron_cfg.moe_enable_routing_replay=$replay
+    step "replay_$replay" $(( $(left) / 2 + 10 )) $PY -m services.cli run $REP \
+      policy.generation.vllm_cfg.enable_return_routed_experts=$replay policy.megatron_cfg.moe_enable_routing_replay=$replay \
+      --run-dir "$OUT/replay_$replay"
     cp "$OUT/replay_$replay/metrics.jsonl" "$OUT/replay_${replay}_metrics.jsonl" 2>/dev/null
   done
+  ray_logs
   $PY bench/replay_mismatch.py --run off="$OUT/replay_false_metrics.jsonl" --run on="$OUT/replay_true_metrics.jsonl" \
     --out "$OUT/replay_mismatch_$PHASE.json"
   ;;
