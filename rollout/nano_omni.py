@@ -1,4 +1,4 @@
-"""Nemotron-3-Nano-Omni (``nemotron_h_omni``) on vLLM's ``nano_nemotron_vl``: two measured incompatibilities and
+"""Nemotron-3-Nano-Omni (``nemotron_h_omni``) on vLLM's ``nano_nemotron_vl``: the measured incompatibilities and
 their fixes.
 
 1. transformers 5.19 reads the published ``config.json`` with its own ``nemotron_h_omni`` config class, which renames
@@ -14,7 +14,10 @@ their fixes.
    on a float32 checkpoint failed in the patch embedder with the same message. The patch casts the pixels to the
    tower's dtype.
 
-3. vLLM 0.32's ``load_weights`` loads the projector (``mlp1``, and ``vision_final_layernorm`` where the model has
+3. vLLM 0.25.1 (the GPU hosts') does not know transformers 5.19's architecture name ``NemotronH_Omni_Reasoning_V3``;
+   :func:`hf_overrides` names :data:`VLLM_CLASS` instead where the installed vLLM lacks it.
+
+4. vLLM 0.32's ``load_weights`` loads the projector (``mlp1``, and ``vision_final_layernorm`` where the model has
    one) with ``default_weight_loader`` called directly, past the loaders that ``reload_weights``' layerwise reload
    puts on each parameter; that reload then finds nothing loaded for those layers and keeps their old tensors ("Linear:
    Failed to load weights"). :func:`install_projector` copies the push's projector tensors in after every install,
@@ -26,7 +29,7 @@ Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +48,24 @@ def is_nano_omni(model_path: str) -> bool:
         return False
 
 
-def hf_overrides(model_path: str) -> dict[str, Any]:
-    """The config keys vLLM's ``nano_nemotron_vl`` reads under their published names, which transformers renamed."""
+def hf_overrides(model_path: str, supported: Collection[str] | None = None) -> dict[str, Any]:
+    """The config keys vLLM's ``nano_nemotron_vl`` reads under their published names, which transformers renamed; and
+    ``architectures`` as :data:`VLLM_CLASS` when the installed vLLM does not know the config's own name (``supported``:
+    its registry's architectures, read from vLLM when not given). vLLM 0.25.1 refused transformers 5.19's name on
+    the H200: "Model architectures ['NemotronH_Omni_Reasoning_V3'] are not supported for now" (0.32 knows it); both
+    register :data:`VLLM_CLASS` for the same model class."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     hidden = cfg.get("vit_hidden_size", cfg.get("vision_hidden_size"))
     if not isinstance(hidden, int):
         raise ValueError(f"{model_path}/config.json: a {MODEL_TYPE} without vit_hidden_size or vision_hidden_size")
-    return {"vit_hidden_size": hidden}
+    overrides: dict[str, Any] = {"vit_hidden_size": hidden}
+    if supported is None:
+        from vllm.model_executor.models import ModelRegistry
+
+        supported = ModelRegistry.get_supported_archs()
+    if not any(arch in supported for arch in cfg.get("architectures") or ()):
+        overrides["architectures"] = [VLLM_CLASS]
+    return overrides
 
 
 def patch_vllm() -> None:
@@ -84,7 +98,7 @@ def is_vllm_nano_omni(model: Any) -> bool:
 
 
 def install_projector(model: Any, tensors: Iterable[tuple[str, Any]]) -> list[str]:
-    """Copy the projector tensors among ``tensors`` (published names) into a vLLM Nano-Omni ``model`` (fix 3 of the
+    """Copy the projector tensors among ``tensors`` (published names) into a vLLM Nano-Omni ``model`` (fix 4 of the
     module docstring); returns the names copied (none for another model)."""
     import torch
 

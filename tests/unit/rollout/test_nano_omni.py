@@ -73,7 +73,10 @@ def test_engine_arguments(omni_dir):
     opts = build_engine_options(VllmConfig(), omni_dir, 512, caps)
     args = opts.engine_args
     assert args["limit_mm_per_prompt"] == {"image": 8, "video": 0, "audio": 0}
-    assert args["hf_overrides"] == hf_overrides(omni_dir) == {"vit_hidden_size": 64}
+    assert args["hf_overrides"] == hf_overrides(omni_dir) == {"vit_hidden_size": 64}  # vLLM 0.32 knows the name
+    # vLLM 0.25.1 does not know transformers 5.19's name: the class both register is named instead
+    old_vllm = {"NemotronH_Nano_VL_V2", "NemotronH_Nano_Omni_Reasoning_V3"}
+    assert hf_overrides(omni_dir, old_vllm) == {"vit_hidden_size": 64, "architectures": ["NemotronH_Nano_VL_V2"]}
     assert args["mamba_ssm_cache_dtype"] == "float32" and args["enable_prefix_caching"] is False
 
 
