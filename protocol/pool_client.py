@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
+from protocol.pool_replies import EngineStatsReply, EvaluationReply, PoolStatus, UndeliveredPrompt
 
 T = TypeVar("T")
 
@@ -76,8 +76,9 @@ class PoolClient:
         return self.handle.evaluate.remote(prompt_bytes, num_generations, temperature, deadline_s).result(
             timeout_s=deadline_s + EVALUATE_GRACE_S)
 
-    def engine_stats(self, timeout_s: float = ENGINE_STATS_TIMEOUT_S) -> dict[str, dict]:
-        """Each engine's stats (``version``, ``installs``, ``incarnation``, ...; ``error`` if it did not answer)."""
+    def engine_stats(self, timeout_s: float = ENGINE_STATS_TIMEOUT_S) -> dict[str, EngineStatsReply]:
+        """Each engine id -> its stats (``version``, ``incarnation``, ``refits``, its ``counters``; only ``error``
+        if it did not answer)."""
         return self.handle.engine_stats.remote().result(timeout_s=timeout_s)
 
     def start_logprobs_of(self, prompt_ids: list[list[int]], response_ids: list[list[int]], engine_id: str,

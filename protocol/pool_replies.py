@@ -4,7 +4,8 @@ The pool's handle API answers validation with an :class:`EvaluationReply`
 (groups, and the prompts that got none: :class:`FailedPrompt`), hands a
 learner the prompts its engines could not put into the learner's channel as
 :class:`UndeliveredPrompt` s, and says what it is with a :class:`PoolStatus`
-(its engines: :class:`EngineStatus`; ``GET /v1/status`` serves its JSON). The
+(its engines: :class:`EngineStatus`; ``GET /v1/status`` serves its JSON), and
+answers ``engine_stats`` with an :class:`EngineStatsReply` per engine. The
 pool builds them, the job and the CLI read their fields: neither wing names
 the other's types.
 """
@@ -64,6 +65,31 @@ class EngineStatus:
     """A scale-down is removing it."""
     state: str
     """``starting``, ``up``, ``stale`` (up at another version), ``draining`` or ``down``."""
+
+
+@dataclass(frozen=True)
+class EngineStatsReply:
+    """One engine's answer to the pool's ``engine_stats``: what it has installed, and its counters (or why it did
+    not answer)."""
+
+    engine_id: str
+    """The engine actor's name (``<pool>-engine-<i>``)."""
+    error: str | None = None
+    """Why it did not answer (its call's exception, shortened); None when it did. With an error, the fields below
+    are unknown: None, and no counters."""
+    version: int | None = None
+    """The policy version its vLLM engine serves (0: the model on disk)."""
+    pid: int | None = None
+    """The engine actor's process id."""
+    incarnation: str | None = None
+    """``<pid>.<vLLM starts>``: changes when its process or its vLLM engine restarts (its counters start again)."""
+    refits: int | None = None
+    """Pushes installed since its vLLM engine started."""
+    counters: dict[str, Any] = field(default_factory=dict)
+    """Every count it keeps, by the flat key of the engine's stats: the rollout engine's (``samples_ok``,
+    ``retries``, ``aborts``, ``refits``, ..., ``env`` when it plays episodes), then the chat serving's and the
+    actor's (``channel_send_failures``, ``running_batches``, ``pid``, ``incarnation``); the fields above are
+    there too. Empty with an error."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 from protocol import PromptRequest, encode
 from protocol.images import PromptImage
 from protocol.pool_client import PoolClient
+from protocol.pool_replies import EngineStatsReply
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -126,16 +127,16 @@ def engine_installs(pool: PoolClient | DeploymentHandle) -> dict[str, EngineInst
     status, stats = client.status(), client.engine_stats()
     out = {}
     for eid, state in status.engines.items():
-        s = stats.get(eid, {"error": "no stats"})
+        s = stats.get(eid) or EngineStatsReply(eid, error="no stats")
         if not state.up:
             why = "down"
-        elif "error" in s:
-            why = f"stats: {s['error']}"
-        elif s.get("version") != status.version:
-            why = f"serves v{s.get('version')}, the pool v{status.version}"
+        elif s.error is not None:
+            why = f"stats: {s.error}"
+        elif s.version != status.version:
+            why = f"serves v{s.version}, the pool v{status.version}"
         else:
             why = ""
-        generation = None if "error" in s else f"{s.get('incarnation', s['pid'])}:{s['refits']}"
+        generation = None if s.error is not None else f"{s.incarnation}:{s.refits}"
         out[eid] = EngineInstall(not why, why, generation)
     return out
 

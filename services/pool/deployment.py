@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
 
-from protocol.pool_replies import EvaluationReply, PoolStatus, UndeliveredPrompt
+from protocol.pool_replies import EngineStatsReply, EvaluationReply, PoolStatus, UndeliveredPrompt
 from services.pool.agent_driver import PoolAccess
 from services.pool.dispatch import Dispatcher
 from services.pool.env_server import REPLICA_STOP_POLL_S
@@ -197,7 +197,7 @@ class RolloutPool:
             logging.getLogger("inflight.pool").warning("pool %s: status page history skipped a report: %s",
                                                        self.name, exc)
 
-    async def engine_stats(self) -> dict[str, dict]:
+    async def engine_stats(self) -> dict[str, EngineStatsReply]:
         return await self.fleet.engine_stats()
 
     async def status(self) -> PoolStatus:

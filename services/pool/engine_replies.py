@@ -3,15 +3,16 @@ and ``generate`` calls.
 
 Typed values crossing Ray (pickled), read by attribute in start-up, the fleet, the dispatcher, the health watcher,
 the object-store fan-out and the status page. Where a plain dict is wanted (JSON, logs), ``dataclasses.asdict``
-gives the same keys as the fields; :meth:`EngineStats.as_dict` gives the flat dict the pool's ``engine_stats``
-answers (the job wing's parity probe and the tests read it by key).
+gives the same keys as the fields; :meth:`EngineStats.as_dict` gives the flat dict of the engine's counters, and
+:meth:`EngineStats.reply` the :class:`~protocol.pool_replies.EngineStatsReply` the pool's ``engine_stats`` answers
+(the job wing's parity probe reads it, without naming this module).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocol.pool_replies import UndeliveredPrompt
+from protocol.pool_replies import EngineStatsReply, UndeliveredPrompt
 
 if TYPE_CHECKING:
     from rollout.counters import RolloutCounters
@@ -98,6 +99,12 @@ class EngineStats:
         out.update(engine_id=self.engine_id, version=self.version, channel_send_failures=self.channel_send_failures,
                    running_batches=self.running_batches, pid=self.pid, incarnation=self.incarnation)
         return out
+
+    def reply(self) -> EngineStatsReply:
+        """What the pool's ``engine_stats`` answers for this engine: the fields its callers read, and
+        :meth:`as_dict` as the reply's ``counters``."""
+        return EngineStatsReply(self.engine_id, version=self.version, pid=self.pid, incarnation=self.incarnation,
+                                refits=self.counters.installs.refits, counters=self.as_dict())
 
 
 @dataclass(frozen=True)

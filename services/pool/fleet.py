@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
+from protocol.pool_replies import EngineStatsReply
 from services.pool.engine_table import STATES, EngineTable
 from services.pool.metrics import PoolMetrics
 from services.pool.placement import colocation_group
@@ -216,16 +217,16 @@ class Fleet:
     async def wake(self) -> None:
         await asyncio.gather(*[e.wake_up.remote() for e in self.handles.values()])
 
-    async def engine_stats(self) -> dict[str, dict]:
-        """Each engine's stats as a flat dict (:meth:`EngineStats.as_dict`: the pool's answer to its callers,
-        read by key in the job wing), or ``{"error": ...}`` if it did not answer."""
+    async def engine_stats(self) -> dict[str, EngineStatsReply]:
+        """Each engine's :class:`EngineStatsReply` (:meth:`EngineStats.reply`: the pool's answer to its callers,
+        read by attribute in the job wing), with only its ``error`` if it did not answer."""
         out = {}
         for eid, eng in self.handles.items():
             try:
                 stats: EngineStats = await asyncio.wait_for(eng.stats.remote(), CALL_TIMEOUT_S)
-                out[eid] = stats.as_dict()
+                out[eid] = stats.reply()
             except Exception as exc:  # noqa: BLE001
-                out[eid] = {"error": repr(exc)[:200]}
+                out[eid] = EngineStatsReply(eid, error=repr(exc)[:200])
         return out
 
     # ------------------------------------------------------------ scaling

@@ -378,7 +378,7 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
         assert stalled_s < recipe.policy.generation.request_timeout_s / 2, "a send waited about as long as a sample"
         assert _counter(url, "inflight_channel_send_failures") == failures_before + n - capacity
         stats = handle.engine_stats.remote().result(timeout_s=60)
-        assert sum(s["channel_send_failures"] for s in stats.values()) >= n - capacity
+        assert sum(s.counters["channel_send_failures"] for s in stats.values()) >= n - capacity
         status = _status(handle)
         assert all(e["up"] for e in status["engines"].values()), status["engines"]
         _generation_works(handle)  # the engines keep serving while the learner is stuck

@@ -120,9 +120,9 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
         summary = job.book.ledger.summary()
         samples = [t for g in groups for t in g.trajectories]
         failed = [t for t in samples if t.finish_reason == "error"]
+        aborts, retries = (sum(s.counters[k] for s in stats.values()) for k in ("aborts", "retries"))
         print(f"never-finishing generation: StepTimeout after {waited:.1f} s ({err.value}); {len(groups)} groups, "
-              f"{len(failed)}/{len(samples)} samples failed; engine aborts "
-              f"{sum(s['aborts'] for s in stats.values())}, retries {sum(s['retries'] for s in stats.values())}; "
+              f"{len(failed)}/{len(samples)} samples failed; engine aborts {aborts}, retries {retries}; "
               f"ledger {summary}")
 
         assert waited <= job.collect_timeout_s + 30, "the learner's wait was not bounded"
@@ -135,8 +135,9 @@ def test_generation_that_never_finishes_is_aborted_retried_failed_and_the_step_w
         assert all(t.reward is None and pattern.fullmatch(t.error) for t in failed), {t.error for t in failed}
         assert all(t.response_ids.size == 0 for t in failed)
         s = next(iter(stats.values()))
-        assert s["aborts"] >= len(failed) * (MAX_RETRIES + 1) and s["retries"] >= len(failed) * MAX_RETRIES
-        assert s["samples_ok"] == 0 and s["samples_failed"] >= len(failed)
+        c = s.counters
+        assert c["aborts"] >= len(failed) * (MAX_RETRIES + 1) and c["retries"] >= len(failed) * MAX_RETRIES
+        assert c["samples_ok"] == 0 and c["samples_failed"] >= len(failed)
         assert summary.trained == 0 and len(job.book.buffer) == 0
         assert summary.dropped_by_reason.get("too_few_valid_samples", 0) >= 4
         assert summary.dropped_by_reason["too_few_valid_samples"] == job.book.buffer.drops["too_few_valid_samples"]

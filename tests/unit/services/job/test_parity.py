@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from handle_fakes import ServeMethod
 
+from protocol.pool_replies import EngineStatsReply
 from services.job.parity import (
     EngineInstall,
     ParityError,
@@ -26,6 +26,13 @@ def learner_logprobs(responses) -> list[list[float]]:
     return [[-0.5 * (j + 1) for j in range(len(r))] for r in responses]
 
 
+def stats_of(eid: str, s: dict) -> EngineStatsReply:
+    """An engine's answer to ``engine_stats`` (its incarnation: its pid, a vLLM that never restarted)."""
+    if s["gone"]:
+        return EngineStatsReply(eid, error="RayActorError")
+    return EngineStatsReply(eid, version=s["version"], pid=s["pid"], incarnation=str(s["pid"]), refits=s["refits"])
+
+
 class FakePool:
     """Engines with a pid, an install count, a version and an offset added to the learner's log-probs."""
 
@@ -36,9 +43,7 @@ class FakePool:
         self.scored: list[str] = []
         self.status = ServeMethod(lambda: SimpleNamespace(version=self.version, engines={  # what a PoolStatus has
             e: SimpleNamespace(up=s["up"], version=s["version"]) for e, s in self.engines.items()}))
-        self.engine_stats = ServeMethod(lambda: {e: {"error": "RayActorError"} if s["gone"] else
-                                            {"pid": s["pid"], "refits": s["refits"], "version": s["version"]}
-                                            for e, s in self.engines.items()})
+        self.engine_stats = ServeMethod(lambda: {e: stats_of(e, s) for e, s in self.engines.items()})
         self.logprobs_of = ServeMethod(self._logprobs_of)
 
     def _logprobs_of(self, prompts, responses, engine_id):
@@ -227,7 +232,8 @@ def test_an_engine_that_dies_during_the_probe_is_skipped_but_one_that_errs_fails
     def stats_then_gone():  # the listing still sees it alive; the re-check after the failure does not
         listings.append(original())
         if len(listings) == 1:
-            listings[0]["pool-engine-1"] = {"pid": 101, "refits": 1, "version": 3}
+            listings[0]["pool-engine-1"] = stats_of("pool-engine-1", {"pid": 101, "refits": 1, "version": 3,
+                                                                      "gone": False})
         return listings[-1]
 
     pool.engine_stats.fn = stats_then_gone

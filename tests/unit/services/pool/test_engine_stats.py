@@ -1,10 +1,15 @@
 """An engine actor's typed stats (services/pool/engine_replies.EngineStats, rollout/counters.RolloutCounters) flatten
 to the very dict the engines answered before they were typed: the same keys, in the same order, with the same
-values (the pool's ``engine_stats`` answers it, read by key in the job wing and the tests)."""
+values (the counters of the pool's ``engine_stats`` answer, an ``EngineStatsReply``, read by key in the tests)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
+import pool_fakes
+from handle_fakes import ActorMethod
+
+from protocol.pool_replies import EngineStatsReply
 from rollout.counters import EnvCounters, RolloutCounters
 from rollout.install.installer import InstallStats, PauseBreakdown
 from rollout.kv_stats import KvCounters
@@ -73,3 +78,27 @@ def test_engine_stats_flatten_to_the_keys_order_and_values_of_before():
     assert list(got.items()) == list(before.items())
     assert list(got["env"]) == ["name", "episodes", "env_failures", "env_wait_seconds", "calls", "retries"]
     assert got["phases_last"] == dataclasses.asdict(PauseBreakdown(verify_s=0.125, install_s=0.5))
+
+
+def test_the_pools_engine_stats_answer_typed_replies_with_the_flat_counters():
+    """``Fleet.engine_stats`` (the pool's ``engine_stats``) answers each engine's
+    :class:`~protocol.pool_replies.EngineStatsReply`: the fields the job's parity probe reads, the flat dict as its
+    counters; an engine that does not answer gets only its error."""
+    async def dead():
+        raise RuntimeError("RayActorError: the actor died")
+
+    gone = pool_fakes.FakeEngine(ok=True)
+    gone.stats = ActorMethod(dead)
+    replies = asyncio.run(pool_fakes.fleet_of({"e0": pool_fakes.FakeEngine(ok=True), "e1": gone}).engine_stats())
+
+    stats = pool_fakes.engine_stats(incarnation="1")
+    assert replies["e0"] == EngineStatsReply("fake", version=0, pid=1, incarnation="1", refits=0,
+                                             counters=stats.as_dict())
+    assert list(replies["e0"].counters) == list(stats.as_dict())
+    assert replies["e1"] == EngineStatsReply("e1", error=repr(RuntimeError("RayActorError: the actor died")))
+
+    c = _counters(None)
+    reply = _stats(c).reply()
+    assert (reply.engine_id, reply.error, reply.version, reply.pid, reply.incarnation, reply.refits) == (
+        "pool-engine-0", None, 2, 4242, "4242.1", 2)
+    assert list(reply.counters.items()) == list(_before(c, None, None).items())
