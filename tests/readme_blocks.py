@@ -33,3 +33,8 @@ def run_as_user(tmp_path: Path, commands: Sequence[str], links: Sequence[str] = 
         done = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=timeout)
         assert done.returncode == 0, f"{cmd!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def ray_worker_log(run_dir: Path) -> str:
+    """What a run's Ray workers logged (``RUN_DIR/logs/ray``; the rollout engine's lines among them)."""
+    return "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs/ray").glob("worker-*.err")))

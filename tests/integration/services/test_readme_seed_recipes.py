@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from readme_blocks import readme_commands, run_as_user
+from readme_blocks import ray_worker_log, readme_commands, run_as_user
 
 README_SECTION = "## The seed's recipes"
 STEPS = [1, 2, 3]
@@ -18,11 +18,6 @@ STEPS = [1, 2, 3]
 def metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("step", 0) >= 1 and "reward_mean" in r]
-
-
-def engine_log(run_dir: Path) -> str:
-    """What the run's Ray workers logged (the rollout engine's lines among them)."""
-    return "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs/ray").glob("worker-*.err")))
 
 
 def test_readme_seed_recipes_validate_and_run_3_steps(tmp_path):
@@ -37,7 +32,7 @@ def test_readme_seed_recipes_validate_and_run_3_steps(tmp_path):
             assert r["gen_kl_error"] < 1e-2, r  # bfloat16 engine and learner on image prompts
             assert r["refit_transport"] and r["refit_pause_s"] > 0, r  # each step's policy reached the engine
     for run, seqs in (("seed-sync", 64), ("seed-async", 128)):  # the recipes' vllm_kwargs, read back from vLLM
-        log = engine_log(tmp_path / "runs" / run)
+        log = ray_worker_log(tmp_path / "runs" / run)
         assert f"vllm_kwargs.max_num_seqs={seqs} read back from scheduler_config.max_num_seqs" in log
         assert "vllm_kwargs.mamba_ssm_cache_dtype='float32' read back from cache_config.mamba_ssm_cache_dtype" in log
         assert "read back from model_config.multimodal_config.limit_per_prompt" in log

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from readme_blocks import ray_worker_log
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -62,7 +63,7 @@ def test_seed_async_recipe_on_one_gpu(tmp_path):
     cli("run", "--recipe", str(RECIPE), *moved, "--run-dir", str(run_dir), cwd=ROOT, timeout=800)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) >= 1 and "reward_mean" in r]
-    log = "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs/ray").glob("worker-*.err")))
+    log = ray_worker_log(run_dir)
     print("SEED_GPU", json.dumps({"steps": steps, "read_back": [line.split(": ", 1)[-1] for line in log.splitlines()
                                                                  if "vllm_kwargs." in line and "read back" in line]}))
     assert [r["step"] for r in steps] == [1, 2, 3]
