@@ -105,6 +105,18 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def any_nonfinite_grad(model: Any, device: torch.device) -> bool:
+    """Whether any rank's gradient buffers of the DDP-wrapped ``model`` hold a NaN or inf (collective)."""
+    bad = torch.zeros(1, device=device)
+    # DDP's `buffers` list shadows nn.Module.buffers()
+    for buf in model.buffers + model.expert_parallel_buffers:
+        if not torch.isfinite(buf.grad_data).all():
+            bad.fill_(1.0)
+            break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
 class _RecomputeOptions(TypedDict, total=False):
     recompute_granularity: Literal["full", "selective"]
     recompute_method: Literal["uniform", "block"]

@@ -125,15 +125,19 @@ def set_up_routers(model: torch.nn.Module, megatron: MegatronConfig, model_path:
         install(model, model_path)
 
 
-def replays_of(model: torch.nn.Module) -> list[TokenReplay]:
-    """The replays :func:`install` put on ``model`` or the model inside its wrappers (DDP, ``Float16Module``);
-    [] when none."""
+def _installed_on(model: torch.nn.Module) -> object | None:
+    """``model`` or the model inside its wrappers (DDP, ``Float16Module``) :func:`install` ran on; None if none."""
     inner: object = model
-    while inner is not None:
-        if hasattr(inner, _REPLAYS):
-            return list(getattr(inner, _REPLAYS))
+    while inner is not None and not hasattr(inner, _REPLAYS):
         inner = getattr(inner, "module", None)
-    return []
+    return inner
+
+
+def replays_of(model: torch.nn.Module) -> list[TokenReplay]:
+    """The replays :func:`install` put on ``model`` or the model inside its wrappers; [] when none (also on a
+    pipeline stage without MoE layers)."""
+    inner = _installed_on(model)
+    return [] if inner is None else list(getattr(inner, _REPLAYS))
 
 
 def set_targets(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
@@ -182,3 +186,22 @@ def attach(model: torch.nn.Module, mbs: list[MicroBatch],
             raise ValueError(f"routed experts: expert id {int(row.max())} but the policy has {num_experts} experts")
         out.append(replace(mb, routing=row.to(mb.tokens.device) if row is not None else None))
     return out
+
+
+def step_metrics(model: torch.nn.Module, groups: Sequence[object], device: torch.device) -> dict[str, float]:
+    """What :class:`TokenReplay` counted in the step's policy forwards, summed over ``groups`` (pipeline and data
+    ranks), then cleared: ``router_replay_rows`` (replayed (token, MoE layer) rows) and ``router_replay_flip_rate``
+    (their share whose engine experts differ from the learner's own choice: the flips replay caught). {} without
+    replay; collective when replay is on."""
+    if _installed_on(model) is None:
+        return {}
+    replays = replays_of(model)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for rep in replays:
+        counts[0] += rep.replayed
+        counts[1] += rep.flipped
+        rep.replayed = rep.flipped = 0
+    for group in groups:
+        torch.distributed.all_reduce(counts, group=group)  # pyright: ignore[reportArgumentType]
+    rows, flipped = counts.tolist()
+    return {"router_replay_rows": rows, "router_replay_flip_rate": flipped / rows if rows else 0.0}

@@ -32,7 +32,7 @@ from learner.hf_weights import load_hf_weights
 from learner.logprobs import head_scores, logprob_chunk
 from learner.loss import LossStats, TokenInputs, per_token_loss
 from learner.mismatch_stats import MismatchStats
-from learner.model import build_gpt_model, init_distributed, read_hf_architecture
+from learner.model import any_nonfinite_grad, build_gpt_model, init_distributed, read_hf_architecture
 from learner.mrope_positions import ImageInputs, with_images
 from learner.optimizer import OptimizerStack, build_optimizer, wrap_ddp
 from learner.packing import MicroBatch, deal, pack
@@ -221,7 +221,8 @@ class Learner:
         fill = preps[0].fill if len(preps) == 1 else (sum(p.fill * p.num_micro_batches for p in preps) / num_micro
                                                      if num_micro else 0.0)
         valid = max(len(batch.rewards), 1)
-        metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {}), **mm.metrics()}
+        metrics = {**stats.metrics(), **(seq_stats.metrics() if filtering else {}), **mm.metrics(),
+                   **router_replay.step_metrics(self.gpt, (pipeline_group(), dp_group), self.device)}
         metrics.update({
             "reward_mean": float(np.mean(batch.rewards)) if batch.rewards else 0.0,
             **{k: v for k, v in summary_stats(batch.rewards, "reward").items() if k != "reward_mean"},
@@ -289,7 +290,7 @@ class Learner:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(loss, group=group)
         nonfinite_loss = not bool(torch.isfinite(loss).all())
-        nonfinite_grad = self._any_nonfinite_grad()
+        nonfinite_grad = any_nonfinite_grad(self.model, self.device)
         applied, grad_norm = False, float("nan")
         if n_global == 0:
             reason = "no valid response tokens in the batch"
@@ -319,16 +320,6 @@ class Learner:
     def _token_inputs(self, mb: MicroBatch, samples: list[Sample], lp_prev: torch.Tensor,
                       lp_ref: dict[int, torch.Tensor] | None) -> TokenInputs:
         return token_inputs(mb, samples, lp_prev, lp_ref, self.device)
-
-    def _any_nonfinite_grad(self) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        # DDP's `buffers` list shadows nn.Module.buffers(), which is what the stubs see
-        for buf in self.model.buffers + self.model.expert_parallel_buffers:  # pyright: ignore[reportOperatorIssue]
-            if not torch.isfinite(buf.grad_data).all():
-                bad.fill_(1.0)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
 
     # ------------------------------------------------------------------ inference / parity
 

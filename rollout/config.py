@@ -73,7 +73,8 @@ class VllmConfig(ConfigModel):
     the parameters once a copy plan recorded on that push is proven equal to plain load
     (``rollout.install.direct_load``); False: always ``reload_weights``."""
     enable_return_routed_experts: bool = False
-    """Return the experts each position was routed to (vLLM's name; GPU only: rollout/routed_experts.py), carried
+    """Return the experts each position was routed to (vLLM's name; rollout/routed_experts.py: on CPU through
+    rollout/cpu_routed_experts.py; needs ``enable_prefix_caching``, so not for a hybrid Mamba model on CPU), carried
     by each trajectory for routing replay (``policy.megatron_cfg.moe_enable_routing_replay``). Off by default."""
     expose_http_server: bool = False
     """Serve OpenAI's ``POST /v1/chat/completions`` and ``GET /v1/models`` from the pool's engines at the current

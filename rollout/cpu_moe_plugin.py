@@ -137,6 +137,9 @@ def register() -> None:
     patch_vllm()
     if not current_platform.is_cpu():
         return
+    from rollout.cpu_routed_experts import patch_vllm as return_routed_experts
+
+    return_routed_experts()
     from vllm.model_executor.layers.fused_moe import config
     from vllm.model_executor.layers.fused_moe.oracle import unquantized
 

@@ -21,8 +21,7 @@ from typing import Any, Literal
 
 from rollout import nano_omni
 from rollout.config import VllmConfig, VllmKwargs
-from rollout.routed_experts import CPU_REASON as ROUTED_EXPERTS_ON_CPU
-from rollout.routed_experts import runner_env
+from rollout.routed_experts import HYBRID_ON_CPU, NEEDS_PREFIX_CACHING, V2_ONLY_ARG, runner_env
 from rollout.vllm_images import image_token_id
 from rollout.vllm_kwargs import SECTION as KWARGS_KEY
 from rollout.vllm_kwargs import merge_vllm_kwargs
@@ -260,10 +259,11 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
             ignored.append(IgnoredOption("enable_prefix_caching", True, "a hybrid Mamba model on CPU: vLLM's Mamba "
                                          "prefix caching needs chunked prefill, which is off on CPU"))
     if cfg.enable_return_routed_experts:  # routing replay (rollout/routed_experts.py)
-        if on_cpu:
-            raise EngineOptionError("enable_return_routed_experts", True, ROUTED_EXPERTS_ON_CPU)
+        if V2_ONLY_ARG in caps.engine_arg_names and not args["enable_prefix_caching"]:
+            raise EngineOptionError("enable_return_routed_experts", True, HYBRID_ON_CPU if on_cpu and is_hybrid(
+                model_path) else NEEDS_PREFIX_CACHING)
         args["enable_return_routed_experts"] = True
-        runner = runner_env(caps.engine_arg_names)
+        runner = runner_env(caps.engine_arg_names, on_cpu)
         env.update(runner)
         platform_args.append(f"enable_return_routed_experts=True, env VLLM_USE_V2_MODEL_RUNNER="
                              f"{runner['VLLM_USE_V2_MODEL_RUNNER']} (routing replay: the runner that returns them)")

@@ -21,6 +21,11 @@ ENGINE_NOISE = 0.003
 """The engine's router weights: the learner's plus this x their spread of Gaussian noise."""
 
 
+def _flips(metrics: dict) -> int:
+    """The replayed rows whose engine experts differ from the learner's own, from a step's metrics."""
+    return round(metrics["router_replay_flip_rate"] * metrics["router_replay_rows"])
+
+
 def _learner(model_dir: str, ep: int = 1):
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig
     from learner.trainer import Learner
@@ -83,7 +88,6 @@ def _without_routing(groups: list) -> list:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h_moe"])
 def test_replay_catches_routing_flips_and_removes_the_mismatch_they_cause(family_models, family):
-    from learner.router_replay import replays_of
 
     learner = _learner(family_models(family))
     try:
@@ -92,10 +96,8 @@ def test_replay_catches_routing_flips_and_removes_the_mismatch_they_cause(family
         assert any(len(mb.segments) > 1 for mb in prep.mine)  # packed rows: replay places each sequence's routing
         step, flips = {}, {}
         for name, batch in (("without", _without_routing(groups)), ("with", groups)):
-            for rep in replays_of(learner.gpt):
-                rep.clear_indices()
             step[name] = learner.train_step(batch)
-            flips[name] = int(sum(rep.flipped for rep in replays_of(learner.gpt)))
+            flips[name] = _flips(step[name])
         for name, m in step.items():
             print(f"\n{family} {name} replay: gen KL {m['gen_kl_error']:.3e}, mean exp|d logprob| "
                   f"{m['token_mult_prob_error']:.5f}, per-sequence mismatch mean {m['logprob_mismatch_mean']:.2e} "
@@ -104,7 +106,8 @@ def test_replay_catches_routing_flips_and_removes_the_mismatch_they_cause(family
                   f"over {m['num_valid_tokens']:.0f} tokens")
         without, with_ = step["without"], step["with"]
         assert without["num_valid_tokens"] == with_["num_valid_tokens"] > 30
-        assert flips["without"] == 0 and flips["with"] > 0  # the engine's flips, caught
+        assert without["router_replay_rows"] == 0 < with_["router_replay_rows"]  # no routing carried: none replayed
+        assert flips["with"] > 0  # the engine's flips, caught (the step's metrics)
         assert with_["gen_kl_error"] < without["gen_kl_error"] / 50
         assert with_["token_mult_prob_error"] < 1.02 < without["token_mult_prob_error"]
         assert with_["logprob_mismatch_max"] < 0.05 < without["logprob_mismatch_mean"]
@@ -116,15 +119,9 @@ def _ep_worker(rank: int, port: int, model_dir: str, batches, out_path: str) -> 
     from gloo_ranks import become_rank
     become_rank(rank, 2, port)
     from learner.model import shutdown_distributed
-    from learner.router_replay import replays_of
 
     learner = _learner(model_dir, ep=2)
-    out = {}
-    for name, batch in batches.items():
-        for rep in replays_of(learner.gpt):
-            rep.clear_indices()
-        out[name] = learner.train_step(batch)
-        out[f"{name}_flips"] = int(sum(rep.flipped for rep in replays_of(learner.gpt)))
+    out = {name: learner.train_step(batch) for name, batch in batches.items()}
     torch.save(out, f"{out_path}.{rank}")
     shutdown_distributed()
 
@@ -134,7 +131,6 @@ def test_expert_parallel_ranks_replay_as_one_process_does(family_models, tmp_pat
     dispatch): the same gen KL as one process, with and without replay."""
     from gloo_ranks import run_ranks
 
-    from learner.router_replay import replays_of
 
     single = _learner(family_models("qwen3_moe"))
     try:
@@ -142,17 +138,20 @@ def test_expert_parallel_ranks_replay_as_one_process_does(family_models, tmp_pat
         single.save_hf(str(tmp_path / "near-tied"))  # the near-tied routers, for the ranks to load
         batches = {"without": _without_routing(groups), "with": groups}
         one = {name: single.train_step(batch) for name, batch in batches.items()}
-        assert int(sum(rep.flipped for rep in replays_of(single.gpt))) > 0
+        assert _flips(one["with"]) > 0
     finally:
         single.shutdown()
     run_ranks(_ep_worker, str(tmp_path / "near-tied"), batches, str(tmp_path / "out"), timeout_s=240,
               what="EP=2 routing-replay ranks")
     ranks = [torch.load(f"{tmp_path / 'out'}.{r}", weights_only=False) for r in (0, 1)]
     print(f"\nEP=2: gen KL without {ranks[0]['without']['gen_kl_error']:.3e}, with "
-          f"{ranks[0]['with']['gen_kl_error']:.3e}; flips caught per rank {[r['with_flips'] for r in ranks]}")
+          f"{ranks[0]['with']['gen_kl_error']:.3e}; flips caught over both ranks {_flips(ranks[0]['with'])} "
+          f"(one process: {_flips(one['with'])})")
     for name in batches:
         for r in ranks:
             assert r[name]["gen_kl_error"] == pytest.approx(one[name]["gen_kl_error"], rel=1e-3, abs=1e-7), name
             assert r[name]["num_valid_tokens"] == one[name]["num_valid_tokens"]
-    assert all(r["with_flips"] > 0 for r in ranks)
+    for r in ranks:  # the step's counts are summed over the data-parallel ranks: each rank reports the total
+        assert r["with"]["router_replay_rows"] == one["with"]["router_replay_rows"] > 0
+        assert _flips(r["with"]) == pytest.approx(_flips(one["with"]), abs=2)
     assert ranks[0]["with"]["gen_kl_error"] < ranks[0]["without"]["gen_kl_error"] / 50

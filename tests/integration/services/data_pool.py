@@ -49,8 +49,8 @@ class RecordingLearner:
 
 
 def run_recorded_async(recipe: Recipe, run_dir: Path):
-    """Run ``recipe`` as an async job on the data pool with a fresh learner; returns the closed job and the
-    recording of what it trained on."""
+    """Run ``recipe`` as an async job on its pool (``rollout_pool.name``: the data pool for :func:`data_recipe`) with
+    a fresh learner; returns the closed job and the recording of what it trained on."""
     from services import pool as pool_api
     from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
@@ -60,7 +60,7 @@ def run_recorded_async(recipe: Recipe, run_dir: Path):
     model_path = resolve_model(recipe.policy.model_name)
     learner = LearnerGroup(recipe, model_path)
     recording = RecordingLearner(learner)
-    job = LearnerJob(recipe, model_path, pool_api.connect(POOL_NAME), recording,  # type: ignore[arg-type]
+    job = LearnerJob(recipe, model_path, pool_api.connect(recipe.rollout_pool.name), recording,  # type: ignore[arg-type]
                      run_dir, resume=False)
     try:
         run_async(job)
