@@ -20,7 +20,8 @@ lint: setup
 	$(VENV)/bin/pyright -p pyproject.toml $(PACKAGES)
 
 # Two tiers (docs/testing.md): unit tests touch no Ray, vLLM engine or process group (tests/unit_guard.py) and run
-# in parallel; integration tests share one stack per session. Each tier writes its modules' seconds to
+# in parallel; integration tests run in two workers, each with its own session stacks, a module (or the modules
+# sharing a stack) on one worker (tests/integration/conftest.py). Each tier writes its modules' seconds to
 # test-durations/ and fails when a module exceeds its budget in tests/budgets.toml.
 BUDGETS := --budgets tests/budgets.toml
 test: setup lint test-unit test-integration
@@ -30,7 +31,7 @@ test-unit: setup
 		--durations-out test-durations/unit.json $(BUDGETS) tests/unit
 
 test-integration: setup
-	$(PY) -m pytest -m "not gpu and not slow" --durations=30 \
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not gpu and not slow" --durations=30 \
 		--durations-out test-durations/integration.json $(BUDGETS) tests/integration
 
 test-all: setup
