@@ -23,8 +23,8 @@ def step_rows(path: Path) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Key -> mean and max over the steps, for :data:`KEYS` and every ``routing_*`` counter."""
-    keys = list(KEYS) + sorted({k for r in rows for k in r if k.startswith("routing_")})
+    """Key -> mean and max over the steps, for :data:`KEYS` and the learner's ``router_replay_*`` counters."""
+    keys = list(KEYS) + sorted({k for r in rows for k in r if k.startswith("router_replay_")})
     out: dict[str, dict[str, float]] = {}
     for key in keys:
         values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
