@@ -20,9 +20,11 @@ lint: setup
 	$(VENV)/bin/pyright -p pyproject.toml $(PACKAGES)
 
 # Two tiers (docs/testing.md): unit tests touch no Ray, vLLM engine or process group (tests/unit_guard.py) and run
-# in parallel; integration tests run in two workers, each with its own session stacks, a module (or the modules
-# sharing a stack) on one worker (tests/integration/conftest.py). Each tier writes its modules' seconds to
-# test-durations/ and fails when a module exceeds its budget in tests/budgets.toml.
+# in parallel; integration tests share one stack per session, in one process unless INTEGRATION_WORKERS says how
+# many xdist workers (each with its own session stacks; a module, or the modules sharing a stack, on one worker:
+# tests/integration/conftest.py). Each tier writes its modules' seconds to test-durations/ and fails when a module
+# exceeds its budget in tests/budgets.toml.
+INTEGRATION_WORKERS ?= 0
 BUDGETS := --budgets tests/budgets.toml
 test: setup lint test-unit test-integration
 
@@ -31,7 +33,7 @@ test-unit: setup
 		--durations-out test-durations/unit.json $(BUDGETS) tests/unit
 
 test-integration: setup
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not gpu and not slow" --durations=30 \
+	$(PY) -m pytest -n $(INTEGRATION_WORKERS) --dist loadgroup -m "not gpu and not slow" --durations=30 \
 		--durations-out test-durations/integration.json $(BUDGETS) tests/integration
 
 test-all: setup
