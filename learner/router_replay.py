@@ -193,11 +193,11 @@ def step_metrics(model: torch.nn.Module, groups: Sequence[object], device: torch
     ranks), then cleared: ``router_replay_rows`` (replayed (token, MoE layer) rows) and ``router_replay_flip_rate``
     (their share whose engine experts differ from the learner's own choice: the flips replay caught). {} without
     replay; collective when replay is on."""
-    if _installed_on(model) is None:
+    inner = _installed_on(model)
+    if inner is None:
         return {}
-    replays = replays_of(model)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for rep in replays:
+    for rep in getattr(inner, _REPLAYS):
         counts[0] += rep.replayed
         counts[1] += rep.flipped
         rep.replayed = rep.flipped = 0

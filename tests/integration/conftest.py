@@ -1,4 +1,4 @@
-"""How the integration tier splits over pytest-xdist workers (``make test-integration``: two, ``--dist loadgroup``).
+"""How the integration tier splits over pytest-xdist workers (``make test-integration INTEGRATION_WORKERS=2``).
 
 Each worker is a session of its own (its own Ray cluster, pools and engines), so tests that share a session stack
 must run on one worker, and a module's tests on one worker (module-scoped pools). Every integration module gets
