@@ -41,10 +41,13 @@
 #   bash bench/gpu_session.sh Q   # the seed's async recipe (NeMo-RL's file, unchanged) on a tiny random Nano-Omni,
 #                                 # one GPU shared by engine and learner, 3 steps; the vllm_kwargs read back
 #                                 # (tests/integration/services/test_seed_recipe_gpu.py)
-#   bash bench/gpu_session.sh R   # routing replay off / on, the small Qwen3-MoE, colocated sync (age 0), 3 steps
+#   bash bench/gpu_session.sh R   # routing replay off / on, the small Qwen3-MoE: one pool (engine and learner side by
+#                                 # side, sync so every step trains at age 0, the engine returning its experts),
+#                                 # two learner jobs attached in turn (replay off, then on), 3 steps each
 #   bash bench/gpu_session.sh S   # the same with the small Nemotron-H MoE hybrid
+#   bash bench/gpu_session.sh RS  # R then S in one call (each a pool start and two jobs)
 set -u
-PHASE=${1:?phase A to S}
+PHASE=${1:?phase A to S, or RS}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
@@ -81,9 +84,33 @@ moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
   step moe_parity_test "$1" $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
     -p no:cacheprovider
 }
-ray_logs() {  # the last lines of every Ray worker's stderr of the latest session (a run that hung says why there)
+ray_logs() {  # ray_logs [TAG]: the last lines of every Ray worker's stderr of the latest session (a run that hung
+  # says why there)
   for f in /tmp/ray/session_latest/logs/worker-*.err; do [ -s "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done \
-    > "$OUT/ray_worker_tails.log" 2>/dev/null
+    > "$OUT/ray_worker_tails${1:+_$1}.log" 2>/dev/null
+}
+replay_pair() {  # replay_pair MODEL TAG KEEP_S: routing replay off / on on MODEL, leaving KEEP_S of the budget
+  # One pool on the shared GPU, sync (age 0: the learner scores exactly the weights the engine sampled from), the
+  # engine returning its experts; two learner jobs attached in turn. Parity may not stop the run (the Nemotron-H
+  # bf16 gen KL is ~0.02, docs/benchmarks.md).
+  local model=$1 tag=$2 keep=$3 cap
+  local rep="--recipe ${REPLAY_RECIPE:-recipes/gpu-1xh200-async.yaml} grpo.async_grpo.enabled=false policy.model_name=$model $SHAPE
+    policy.generation.vllm_cfg.moe_backend=triton policy.generation.vllm_cfg.enable_return_routed_experts=true
+    logger.parity_max_gen_kl=1 logger.parity_max_gen_kl_ratio=0 logger.tensorboard_enabled=false
+    checkpointing.enabled=false rollout_pool.http_port=8123"
+  export INFLIGHT_HOME=$OUT/home_$tag
+  cap=$(( ($(left) - keep) / 2 )); [ "$cap" -gt 240 ] && cap=240
+  step "${tag}_pool_deploy" $cap $PY -m services.cli pool deploy $rep --run-dir "$OUT/${tag}_pool"
+  for replay in false true; do
+    cap=$(( $(left) - keep - 40 )); [ $replay = false ] && cap=$(( cap / 2 ))
+    step "${tag}_replay_$replay" $cap $PY -m services.cli learner attach --pool inflight-pool $rep grpo.max_num_steps=3 \
+      policy.megatron_cfg.moe_enable_routing_replay=$replay --run-dir "$OUT/${tag}_replay_$replay"
+    cp "$OUT/${tag}_replay_$replay/metrics.jsonl" "$OUT/${tag}_replay_${replay}_metrics.jsonl" 2>/dev/null
+  done
+  ray_logs "$tag"
+  timeout 30 $PY -m services.cli pool shutdown --stop-cluster > "$OUT/${tag}_pool_shutdown.log" 2>&1
+  $PY bench/replay_mismatch.py --run off="$OUT/${tag}_replay_false_metrics.jsonl" \
+    --run on="$OUT/${tag}_replay_true_metrics.jsonl" --out "$OUT/replay_mismatch_$tag.json"
 }
 dense=models/qwen3-0.6b-random
 moe=models/qwen3moe-small-random
@@ -98,7 +125,7 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
-case $PHASE in K|N|O|P|Q|S) ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P|Q|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -242,21 +269,13 @@ Q)
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
   ray_logs
   ;;
-R|S)
-  if [ "$PHASE" = R ]; then model=$moe; else model=$NH_DIR/nemotron-h-moe-small
-    [ -d "$model" ] || build "$model" nemotron_h_moe small; fi
-  REP="--recipe recipes/gpu-1xh200-sync.yaml --steps 3 policy.model_name=$model $SHAPE \
-    policy.generation.vllm_cfg.moe_backend=triton policy.generation.vllm_cfg.enforce_eager=true \
-    logger.tensorboard_enabled=false checkpointing.enabled=false"
-  for replay in false true; do
-    step "replay_$replay" $(( $(left) / 2 + 10 )) $PY -m services.cli run $REP \
-      policy.generation.vllm_cfg.enable_return_routed_experts=$replay policy.megatron_cfg.moe_enable_routing_replay=$replay \
-      --run-dir "$OUT/replay_$replay"
-    cp "$OUT/replay_$replay/metrics.jsonl" "$OUT/replay_${replay}_metrics.jsonl" 2>/dev/null
-  done
-  ray_logs
-  $PY bench/replay_mismatch.py --run off="$OUT/replay_false_metrics.jsonl" --run on="$OUT/replay_true_metrics.jsonl" \
-    --out "$OUT/replay_mismatch_$PHASE.json"
+R|S|RS)
+  [ "$PHASE" = R ] || { [ -d "$NH_DIR/nemotron-h-moe-small" ] || build "$NH_DIR/nemotron-h-moe-small" nemotron_h_moe small; }
+  case $PHASE in
+    R) replay_pair "$moe" R 0 ;;
+    S) replay_pair "$NH_DIR/nemotron-h-moe-small" S 0 ;;
+    RS) replay_pair "$moe" R $(( $(left) / 2 )); replay_pair "$NH_DIR/nemotron-h-moe-small" S 0 ;;
+  esac
   ;;
 esac
 
