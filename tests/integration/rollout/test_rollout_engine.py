@@ -6,6 +6,7 @@ import functools
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -266,7 +267,9 @@ def test_gpu_only_options_are_reported_ignored_on_cpu(harness):
     assert options.platform == "cpu"
     messages = [i.message(options.platform) for i in options.ignored]
     assert any(m.startswith("policy.generation.vllm_cfg.gpu_memory_utilization=0.5 ignored on cpu") for m in messages)
-    assert options.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert options.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    names = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names  # the worker is in the engine core
     harness.run(harness.engine.sleep())
     harness.run(harness.engine.wake_up())
     assert harness.engine.stats()["sleeps_skipped_on_cpu"] >= 1

@@ -52,7 +52,7 @@ def test_colocated_engines_get_sleep_mode_on_gpu_only():
 
 def test_gpu_only_options_are_ignored_on_cpu_with_a_message():
     opts = build_engine_options(GPU_RECIPE.model_copy(update={"cpu_kvcache_space_gib": 2.0}), "/m", 512, CPU)
-    assert opts.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert opts.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for gpu_arg in ("tensor_parallel_size", "gpu_memory_utilization", "moe_backend", "all2all_backend",
                     "enable_expert_parallel", "compilation_config"):
         assert gpu_arg not in opts.engine_args
@@ -63,6 +63,8 @@ def test_gpu_only_options_are_ignored_on_cpu_with_a_message():
     assert "policy.generation.vllm_cfg.cpu_kvcache_space_gib -> env VLLM_CPU_KVCACHE_SPACE=2" in messages
     assert opts.engine_args["enable_chunked_prefill"] is False
     assert any(m.startswith("(cpu) enable_chunked_prefill=False") for m in messages)
+    assert any(m.startswith("(cpu) env VLLM_ENABLE_V1_MULTIPROCESSING=0") for m in messages)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_engine_options(GPU_RECIPE, "/m", 4096, GPU).env
 
 
 def test_cpu_default_recipe_ignores_only_gpu_memory_utilization():
