@@ -171,6 +171,10 @@ class LearnerJobs:
         if not address:
             raise LearnerJobError("no Ray cluster: set RAY_ADDRESS or run `inflight pool deploy` first")
         token, dashboard = cluster.token_for(address), cluster.dashboard_address(address)
+        if (missing := cluster.dashboard_missing(address)) and not os.environ.get("RAY_ADDRESS"):
+            raise LearnerJobError(f"the Ray head at {address} runs without its dashboard, which hosts Ray's job "
+                                  f"server ({missing}; install ray[default] for it); attach the learner in the "
+                                  f"foreground instead: `inflight learner attach`")
         if token is not None and dashboard is None and not os.environ.get("RAY_ADDRESS"):
             raise LearnerJobError(f"the Ray head at {address} was started without its job server (by an older "
                                   f"`inflight pool deploy`); restart it: `inflight pool shutdown --stop-cluster`, "

@@ -8,6 +8,8 @@ on a free port of 127.0.0.1 (Ray's job server: ``inflight learner submit``), and
 it in ``INFLIGHT_HOME/cluster.json`` (default ``~/.inflight``); later commands
 find it there, and ``stop_cluster`` ends exactly that node's processes. A ``ray start --head`` that fails
 leaves nothing: the processes it had started are stopped and the error is one line (``ClusterStartError``).
+Where Ray's dashboard cannot run (a minimal Ray without its packages) the head starts without it, and only the
+commands that need Ray's job server refuse, saying why.
 """
 from __future__ import annotations
 
@@ -58,6 +60,34 @@ def dashboard_address(address: str) -> str | None:
     return None
 
 
+def dashboard_missing(address: str) -> str | None:
+    """Why the head ``ensure_cluster`` started runs without Ray's dashboard (its packages are missing), when
+    ``address`` is that head and it does; else None."""
+    state = _state()
+    if state and state.get("dashboard_missing") and _same_endpoint(address, state["address"]):
+        return state["dashboard_missing"]
+    return None
+
+
+def ray_command() -> str:
+    """Ray's ``ray`` command: beside this Python's interpreter (a virtual environment), else on ``PATH`` (Ray
+    installed with ``pip --target``, as on the GPU hosts)."""
+    beside = Path(sys.executable).with_name("ray")
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if not found:
+        raise ClusterStartError(f"could not start a Ray head node: Ray's `ray` command is neither beside "
+                                f"{sys.executable} nor on PATH")
+    return found
+
+
+def dashboard_error() -> str | None:
+    """Why Ray's dashboard cannot start in this Python (its packages are missing); None when it can."""
+    from ray._private.utils import get_dashboard_dependency_error
+
+    error = get_dashboard_dependency_error()
+    return f"{type(error).__name__}: {error}" if error else None
+
+
 def token_for(address: str) -> Path | None:
     """The token file of the head ``ensure_cluster`` started, when ``address`` is that head."""
     state = _state()
@@ -73,12 +103,16 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
         return addr
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
     port, dashboard_port, agent_port = free_port(), free_port(), free_port()
+    ray, no_dashboard = ray_command(), dashboard_error()
     token = cluster_auth.write_token(state_dir())
     # The dashboard hosts Ray's job server (`inflight learner submit`); its agent gets a free port too (the
     # default 52365 would collide with another head on this machine, and jobs go through that agent).
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--temp-dir={temp}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-           f"--dashboard-agent-listen-port={agent_port}",
+    dashboard = [f"--include-dashboard={'false' if no_dashboard else 'true'}", "--dashboard-host=127.0.0.1",
+                 f"--dashboard-port={dashboard_port}", f"--dashboard-agent-listen-port={agent_port}"]
+    if no_dashboard:
+        log.warning("Ray's dashboard cannot run here (%s): the head starts without it, so `inflight learner "
+                    "submit|status|logs|stop` (Ray's job server) are unavailable; `learner attach` works", no_dashboard)
+    cmd = [ray, "start", "--head", f"--port={port}", f"--temp-dir={temp}", *dashboard,
            "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
     try:
         with startup_progress.phase("starting a Ray head node (ray start --head)"):
@@ -93,8 +127,8 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
         raise ClusterStartError(f"could not start a Ray head node (`ray start --head` {failed}): "
                                 f"{_last_line(output)}")
     addr = f"127.0.0.1:{port}"
-    state = {"address": addr, "dashboard_address": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp,
-             "auth_mode": "token", "token_path": str(token),
+    state = {"address": addr, "dashboard_address": None if no_dashboard else f"http://127.0.0.1:{dashboard_port}",
+             "dashboard_missing": no_dashboard, "temp_dir": temp, "auth_mode": "token", "token_path": str(token),
              "head_pids": cluster_procs.snapshot(cluster_procs.root_pids(temp, port))}
     state_file().write_text(json.dumps(state, indent=1))
     return addr

@@ -5,6 +5,7 @@ the start-up phase's line; Ray's output goes to RUN_DIR/logs/driver.log. The CLI
 port picker patched so that the dashboard's port is one this test listens on."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -72,3 +73,43 @@ def test_a_head_that_fails_to_start_leaves_nothing_and_says_why_in_one_line(tmp_
     assert left == [], f"processes of the failed head remain: {left}"
     assert not (home / "cluster.json").exists() and not (home / "ray_auth_token").exists()
     assert "Failed to bind" in (run_dir / "logs" / "driver.log").read_text()  # Ray's whole output, filed
+
+
+WITHOUT_DASHBOARD = """
+import json, sys
+import ray._private.utils
+ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("No module named 'aiohttp_cors'")
+from services.cluster import head as cluster
+from services.learner_jobs import LearnerJobError, LearnerJobs
+address = cluster.ensure_cluster()
+try:
+    LearnerJobs.connect()
+    refused = ""
+except LearnerJobError as err:
+    refused = str(err)
+alive = cluster._alive(address)
+print(json.dumps({"address": address, "alive": alive, "refused": refused,
+                  "state": json.loads(cluster.state_file().read_text()), "stopped": cluster.stop_cluster()}))
+"""
+
+
+def test_a_head_starts_without_the_dashboard_where_rays_dashboard_packages_are_missing(tmp_path):
+    """A minimal Ray (the GPU hosts' bundle: no aiohttp_cors, opencensus...) refused ``ray start --head
+    --include-dashboard=true`` ("Cannot include dashboard with missing packages"), so ``pool deploy`` could not
+    start a cluster there. The head now starts without it, and the job server's commands say why they cannot run."""
+    temp_root = tempfile.mkdtemp(prefix="ifd-")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")},
+           "INFLIGHT_HOME": str(tmp_path / "home"), "TMPDIR": temp_root, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": str(ROOT)}
+    try:
+        out = subprocess.run([sys.executable, "-c", WITHOUT_DASHBOARD], capture_output=True, text=True, env=env,
+                             cwd=ROOT, timeout=180)
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["alive"] and got["stopped"], got
+    assert got["state"]["dashboard_address"] is None and "aiohttp_cors" in got["state"]["dashboard_missing"], got
+    assert got["refused"].startswith(f"the Ray head at {got['address']} runs without its dashboard"), got
+    assert "inflight learner attach" in got["refused"], got
+    assert "Ray's dashboard cannot run here" in out.stderr, out.stderr[-2000:]
