@@ -234,8 +234,8 @@ def _perturb_hybrid(model, generator) -> None:
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             leaf = name.rsplit(".", 1)[-1]
             if leaf in ("A_log", "D", "e_score_correction_bias") or (leaf == "weight" and "norm" in name):
-                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-                            .to(tensor.dtype))
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32, device="cpu")
+                            .to(tensor.device, tensor.dtype))  # the CPU generator's draws, on any default device
 
 
 def _publish_hybrid_config(out: Path) -> None:

@@ -142,3 +142,19 @@ def test_nemotron_h_is_written_in_the_published_config_form_and_loads(tmp_path, 
         assert (weights["backbone.layers.1.mixer.gate.e_score_correction_bias"] != 0).all()
     with pytest.raises(ValueError, match="tie_word_embeddings: nemotron_h"):
         make_tiny_model(tmp_path / "tied", arch="nemotron_h", tie_word_embeddings=True)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["nemotron_h_moe", "nemotron_h_omni"])
+def test_hybrids_are_built_under_a_cuda_default_device_as_gpu_session_builds_them(arch, tmp_path):
+    """``bench/gpu_session.sh`` builds its models under ``torch.device('cuda')``; the perturbations of Nemotron-H's
+    constants and the Omni tower's norms died there ("Expected a 'cuda' device type for generator but found 'cpu'",
+    H100, 2026-12-05). Their draws now come from the CPU generator and move to the tensor's device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    with torch.device("cuda"):
+        make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny", dtype="bfloat16")
+    assert (tmp_path / arch / "config.json").exists()
