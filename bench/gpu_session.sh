@@ -84,10 +84,10 @@ moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
   step moe_parity_test "$1" $PY -m pytest -m gpu -x -q -s tests/integration/services/test_gpu_moe_parity.py \
     -p no:cacheprovider
 }
-ray_logs() {  # ray_logs [TAG]: the last lines of every Ray worker's stderr of the latest session (a run that hung
-  # says why there)
-  for f in /tmp/ray/session_latest/logs/worker-*.err; do [ -s "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done \
-    > "$OUT/ray_worker_tails${1:+_$1}.log" 2>/dev/null
+ray_logs() {  # ray_logs [TAG]: the last lines of every Ray worker's stderr (a run that hung says why there): the
+  # runs under $OUT keep Ray's logs in RUN_DIR/logs/ray (2026-12-05: /tmp/ray/session_latest had none of them)
+  find "$OUT" /tmp/ray/session_latest/logs -name 'worker-*.err' -size +0 2>/dev/null | while read -r f; do
+    echo "== $f"; tail -n 40 "$f"; done > "$OUT/ray_worker_tails${1:+_$1}.log"
 }
 replay_pair() {  # replay_pair MODEL TAG KEEP_S: routing replay off / on on MODEL, leaving KEEP_S of the budget
   # One pool on the shared GPU, sync (age 0: the learner scores exactly the weights the engine sampled from), the
@@ -263,7 +263,9 @@ P)
   ;;
 Q)
   [ -d data/clevr-gpu ] && export INFLIGHT_SEED_CLEVR=$PWD/data/clevr-gpu  # made on the CPU machine, carried
-  step seed_recipe_gpu_test 560 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider \
+  # --basetemp: the run directory (driver.log, the pool's and Ray's logs) comes back in the tarball even when the
+  # test is stopped (2026-12-05: stopped at 500 s with nothing to read)
+  step seed_recipe_gpu_test 560 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
     tests/integration/services/test_seed_recipe_gpu.py
   grep -ho "SEED_GPU .*" "$OUT/seed_recipe_gpu_test.log" > "$OUT/seed_recipe_gpu.jsonl"
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
