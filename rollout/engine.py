@@ -215,7 +215,9 @@ class RolloutEngine:
             engine_id=self.engine_id, version=self.version, sampling=copy.deepcopy(self.sampler.stats),
             installs=copy.deepcopy(self.installer.stats), kv=copy.deepcopy(self._kv),
             sleeps_skipped_on_cpu=self._sleeps_skipped_on_cpu, weights_broken=self.installer.broken,
-            vllm_unfinished_requests=self._llm.get_num_unfinished_requests() if self._llm is not None else 0,
+            # the output processor's count: vLLM 0.25.1's AsyncLLM has no get_num_unfinished_requests
+            vllm_unfinished_requests=(self._llm.output_processor.get_num_unfinished_requests()
+                                      if self._llm is not None else 0),
             env=None if env is None else self._env_counters(env))
 
     def _env_counters(self, env: Any) -> EnvCounters:
