@@ -52,21 +52,23 @@ def known_address() -> str | None:
     return state["address"] if state else None
 
 
+def _recorded(address: str, key: str) -> str | None:
+    """``key`` of the head ``ensure_cluster`` recorded, when ``address`` is that head and the key is set."""
+    state = _state()
+    if state and state.get(key) and _same_endpoint(address, state["address"]):
+        return state[key]
+    return None
+
+
 def dashboard_address(address: str) -> str | None:
     """The job server (dashboard) URL of the head ``ensure_cluster`` started, when ``address`` is that head."""
-    state = _state()
-    if state and state.get("dashboard_address") and _same_endpoint(address, state["address"]):
-        return state["dashboard_address"]
-    return None
+    return _recorded(address, "dashboard_address")
 
 
 def dashboard_missing(address: str) -> str | None:
     """Why the head ``ensure_cluster`` started runs without Ray's dashboard (its packages are missing), when
     ``address`` is that head and it does; else None."""
-    state = _state()
-    if state and state.get("dashboard_missing") and _same_endpoint(address, state["address"]):
-        return state["dashboard_missing"]
-    return None
+    return _recorded(address, "dashboard_missing")
 
 
 def ray_command() -> str:
@@ -90,10 +92,8 @@ def dashboard_error() -> str | None:
 
 def token_for(address: str) -> Path | None:
     """The token file of the head ``ensure_cluster`` started, when ``address`` is that head."""
-    state = _state()
-    if state and state.get("token_path") and _same_endpoint(address, state["address"]):
-        return Path(state["token_path"])
-    return None
+    path = _recorded(address, "token_path")
+    return Path(path) if path else None
 
 
 def ensure_cluster(timeout_s: float = 120.0) -> str:
