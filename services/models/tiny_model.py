@@ -234,8 +234,16 @@ def _perturb_hybrid(model, generator) -> None:
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             leaf = name.rsplit(".", 1)[-1]
             if leaf in ("A_log", "D", "e_score_correction_bias") or (leaf == "weight" and "norm" in name):
-                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32, device="cpu")
-                            .to(tensor.device, tensor.dtype))  # the CPU generator's draws, on any default device
+                nudge(tensor, generator)
+
+
+def nudge(tensor, generator) -> None:
+    """Add 0.1 x standard-normal noise from the CPU ``generator`` to ``tensor`` in place (drawn on the CPU in
+    float32, then moved to the tensor's device and dtype: the same draws under any default device)."""
+    import torch
+
+    tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32, device="cpu")
+                .to(tensor.device, tensor.dtype))
 
 
 def _publish_hybrid_config(out: Path) -> None:

@@ -34,6 +34,7 @@ from services.models.tiny_model import (
     _nemotron_h_config,
     _perturb_hybrid,
     media_tokenizer,
+    nudge,
 )
 
 ARCH = "nemotron_h_omni"
@@ -138,8 +139,7 @@ def _perturb_vision(model, generator) -> None:
         for name, tensor in [*model.vision_model.named_parameters(prefix="vision_model"),
                              *model.multi_modal_projector.named_parameters(prefix="multi_modal_projector")]:
             if "norm" in name and name.endswith(".weight"):
-                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, device="cpu")
-                            .to(tensor.device, tensor.dtype))  # the CPU generator's draws, on any default device
+                nudge(tensor, generator)
 
 
 def _publish_config(path: Path, dims: OmniSize) -> None:
