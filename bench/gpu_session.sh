@@ -41,17 +41,21 @@
 #   bash bench/gpu_session.sh Q   # the seed's async recipe (NeMo-RL's file, unchanged) on a tiny random Nano-Omni,
 #                                 # one GPU shared by engine and learner, 3 steps; the vllm_kwargs read back
 #                                 # (tests/integration/services/test_seed_recipe_gpu.py)
+#   bash bench/gpu_session.sh QB  # phase Q started in the background (into /tmp/qbg), for a fresh host where it
+#                                 # needs more than one call; then, in the next call made back to back:
+#   bash bench/gpu_session.sh QW  # wait for it and bring back its results
 #   bash bench/gpu_session.sh R   # routing replay off / on, the small Qwen3-MoE: one pool (engine and learner side by
 #                                 # side, sync so every step trains at age 0, the engine returning its experts),
 #                                 # two learner jobs attached in turn (replay off, then on), 3 steps each
 #   bash bench/gpu_session.sh S   # the same with the small Nemotron-H MoE hybrid
-#   bash bench/gpu_session.sh RS  # R then S in one call (each a pool start and two jobs)
+#   bash bench/gpu_session.sh RS  # R then S in one call (each a pool start and two jobs); on a fresh host one
+#                                 # pool start takes ~190 s, so run R and S in calls of their own there
 set -u
 PHASE=${1:?phase A to S, or RS}
 OUT=${OUT:-bench/results/gpu_session}
 mkdir -p "$OUT" models
 export PYTHONPATH=$PWD:${PYTHONPATH:-} INFLIGHT_OBJECT_STORE_MB=${INFLIGHT_OBJECT_STORE_MB:-8192}
-export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 # datasets fingerprints through dill, which pickles a module by value when its path names no 'site-packages'
 # (unsloth#9791): from /tmp/site, Dataset.from_dict died with "Can't pickle <class 'MonthDayNano'>" on the H200.
@@ -86,7 +90,7 @@ moe_parity() {  # moe_parity SECONDS: the GPU MoE parity test
 }
 ray_logs() {  # ray_logs [TAG]: the last lines of every Ray worker's stderr (a run that hung says why there): the
   # runs under $OUT keep Ray's logs in RUN_DIR/logs/ray (2026-12-05: /tmp/ray/session_latest had none of them)
-  find "$OUT" /tmp/ray/session_latest/logs -name 'worker-*.err' -size +0 2>/dev/null | while read -r f; do
+  find -L "$OUT" /tmp/ray/session_latest/logs -name 'worker-*.err' -size +0 2>/dev/null | while read -r f; do
     echo "== $f"; tail -n 40 "$f"; done > "$OUT/ray_worker_tails${1:+_$1}.log"
 }
 replay_pair() {  # replay_pair MODEL TAG KEEP_S: routing replay off / on on MODEL, leaving KEEP_S of the budget
@@ -99,7 +103,9 @@ replay_pair() {  # replay_pair MODEL TAG KEEP_S: routing replay off / on on MODE
     logger.parity_max_gen_kl=1 logger.parity_max_gen_kl_ratio=0 logger.tensorboard_enabled=false
     checkpointing.enabled=false rollout_pool.http_port=8123"
   export INFLIGHT_HOME=$OUT/home_$tag
-  cap=$(( ($(left) - keep) / 2 )); [ "$cap" -gt 240 ] && cap=240
+  # the deploy's own share: on a fresh H100 (2026-12-05) one engine took ~190 s to answer ready, and a deploy
+  # stopped at 131 s took its Ray head down with it
+  cap=$(( $(left) - keep - 160 )); [ "$cap" -gt 300 ] && cap=300
   step "${tag}_pool_deploy" $cap $PY -m services.cli pool deploy $rep --run-dir "$OUT/${tag}_pool"
   for replay in false true; do
     cap=$(( $(left) - keep - 40 )); [ $replay = false ] && cap=$(( cap / 2 ))
@@ -125,7 +131,7 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
-case $PHASE in K|N|O|P|Q|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P|Q|QB|QW|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -265,11 +271,22 @@ Q)
   [ -d data/clevr-gpu ] && export INFLIGHT_SEED_CLEVR=$PWD/data/clevr-gpu  # made on the CPU machine, carried
   # --basetemp: the run directory (driver.log, the pool's and Ray's logs) comes back in the tarball even when the
   # test is stopped (2026-12-05: stopped at 500 s with nothing to read)
-  step seed_recipe_gpu_test 560 $PY -m pytest -m gpu -x -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
+  step seed_recipe_gpu_test "${Q_LIMIT_S:-560}" $PY -m pytest -m gpu -x -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
     tests/integration/services/test_seed_recipe_gpu.py
   grep -ho "SEED_GPU .*" "$OUT/seed_recipe_gpu_test.log" > "$OUT/seed_recipe_gpu.jsonl"
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
   ray_logs
+  ;;
+QB)  # phase Q in the background, past this call (the machine and its processes stay up between calls made back
+  # to back): on a fresh host the engine's start and the first step take ~6 min of the 10 (2026-12-05)
+  setsid nohup env OUT=/tmp/qbg BUDGET_S=1500 Q_LIMIT_S=1400 bash bench/gpu_session.sh Q > /tmp/qbg.log 2>&1 < /dev/null &
+  sleep $(( $(left) - 15 )); tail -n 5 /tmp/qbg.log; ls /tmp/qbg/pytest/*/run 2>/dev/null
+  ;;
+QW)  # wait for phase QB's run (started by an earlier call), then bring its tarball back
+  while [ ! -f /tmp/qbg.tgz ] && [ "$(left)" -gt 15 ]; do sleep 5; done
+  cat /tmp/qbg.log
+  [ -f /tmp/qbg.tgz ] || { OUT=/tmp/qbg ray_logs; tar czf /tmp/qbg.tgz /tmp/qbg 2>/dev/null; }  # still running
+  cp /tmp/qbg.tgz "$OUT/"
   ;;
 R|S|RS)
   [ "$PHASE" = R ] || { [ -d "$NH_DIR/nemotron-h-moe-small" ] || build "$NH_DIR/nemotron-h-moe-small" nemotron_h_moe small; }
