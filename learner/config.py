@@ -4,11 +4,11 @@ the GRPO loss (``loss_fn``) and the per-step GRPO options (``grpo.*``,
 ``policy.train_global_batch_size``). Names follow NeMo-RL."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from learner.sampling_dist import SamplingDist
 from protocol.config_base import ConfigModel
 
 
@@ -268,6 +268,36 @@ class PolicyStepKeys(ConfigModel):
     train_global_batch_size: int | None = Field(default=None, ge=1)
     """Samples per optimizer step; the rollout batch (``grpo.num_prompts_per_step x num_generations_per_prompt``)
     must be a multiple of it. None: the whole rollout batch is one optimizer step."""
+
+
+@dataclass(frozen=True)
+class SamplingDist:
+    """How the engine turned logits into the distribution it sampled from (``policy.generation``)."""
+
+    temperature: float = 1.0
+    """Logits are divided by it first (> 0)."""
+    top_k: int | None = None
+    """Only the ``top_k`` largest logits stay (ties with the k-th stay too); None: no top-k."""
+    top_p: float = 1.0
+    """Only the smallest set of most likely tokens whose probability reaches ``top_p`` stays; 1: no top-p."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: {self.temperature} must be > 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k: {self.top_k} must be >= 1 or None")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: {self.top_p} must be in (0, 1]")
+
+    @property
+    def neutral(self) -> bool:
+        """Whether this is the plain softmax (temperature 1, no filter): the logits pass unchanged."""
+        return self.temperature == 1.0 and self.top_k is None and self.top_p == 1.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether a top-k or top-p filter applies."""
+        return self.top_k is not None or self.top_p < 1.0
 
 
 class TrainStepConfig(GrpoStepKeys, PolicyStepKeys):

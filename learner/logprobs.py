@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from learner.attention import packed_row
-from learner.config import MegatronConfig
+from learner.config import MegatronConfig, SamplingDist
 from learner.mrope_positions import ImageMicroBatch
 from learner.packing import MicroBatch
 from learner.router_replay import set_targets
-from learner.sampling_dist import SamplingDist, sampled_logits
+from learner.sampling_dist import sampled_logits
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -44,7 +44,6 @@ from services.cluster.auth import ClusterConnectError
 from services.console import output as console
 from services.learner_jobs import LearnerJobError, LearnerJobFailed, exit_on_sigterm
 from services.offline.local_engine import LocalEngineError
-from services.pool.startup import PoolStartError
 from services.preflight.checks import check_recipe
 from services.recipe.config import Recipe, RecipeError, load_recipe_with_report, recipe_to_yaml
 
@@ -329,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_env_serve(argparse.Namespace(args=argv[2:]))
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The pool's stack (Ray Serve, torch) is imported when a command runs, not with this module: processes started
+    # with ``spawn`` import the main script again (the image pool's eight workers did, ~3 s of CPU each).
+    from services.pool.startup import PoolStartError
     try:
         return args.func(args)
     except ClusterConnectError as err:

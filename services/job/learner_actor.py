@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from learner.config import LossConfig, MegatronConfig, SequencePackingConfig, TrainStepConfig
-from learner.sampling_dist import SamplingDist
+from learner.config import LossConfig, MegatronConfig, SamplingDist, SequencePackingConfig, TrainStepConfig
 from protocol import TrajectoryGroup, decode, encode
 from services.refit.learner_port import ExportedWeights, IpcExport, SentPush
 

@@ -39,8 +39,7 @@ def _sampled_groups(model_dir: str) -> list:
 
 
 def test_the_training_step_scores_the_engines_tokens_under_its_sampling_distribution(family_models):
-    from learner.config import TrainStepConfig
-    from learner.sampling_dist import SamplingDist
+    from learner.config import SamplingDist, TrainStepConfig
 
     model_dir = family_models("qwen2")
     groups = _sampled_groups(model_dir)
@@ -65,7 +64,8 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from gloo_ranks import become_rank
-    from learner.sampling_dist import SamplingDist, sampled_logits
+    from learner.config import SamplingDist
+    from learner.sampling_dist import sampled_logits
 
     become_rank(rank, 2, port)
     dist.init_process_group("gloo")
@@ -84,7 +84,8 @@ def test_tensor_parallel_ranks_filter_their_vocabulary_slices_as_one_process_doe
     import torch
 
     from gloo_ranks import run_ranks
-    from learner.sampling_dist import SamplingDist, sampled_logits
+    from learner.config import SamplingDist
+    from learner.sampling_dist import sampled_logits
 
     run_ranks(_tp_worker, str(tmp_path), timeout_s=120, what="two gloo ranks filtering their vocabulary slices")
     torch.manual_seed(0)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-from learner.sampling_dist import SamplingDist, sampled_logits
+from learner.config import SamplingDist
+from learner.sampling_dist import sampled_logits
 
 CASES = [SamplingDist(0.7), SamplingDist(1.0, top_k=5), SamplingDist(1.0, top_p=0.9),
          SamplingDist(0.6, top_k=20, top_p=0.8), SamplingDist(1.3, top_k=1), SamplingDist(0.9, top_p=0.05)]
