@@ -101,9 +101,9 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
     addr = known_address()
     if addr and (os.environ.get("RAY_ADDRESS") or _alive(addr)):
         return addr
+    ray, no_dashboard = ray_command(), dashboard_error()  # before anything is made: a missing `ray` leaves nothing
     temp = tempfile.mkdtemp(prefix="inflight-ray-")
     port, dashboard_port, agent_port = free_port(), free_port(), free_port()
-    ray, no_dashboard = ray_command(), dashboard_error()
     token = cluster_auth.write_token(state_dir())
     # The dashboard hosts Ray's job server (`inflight learner submit`); its agent gets a free port too (the
     # default 52365 would collide with another head on this machine, and jobs go through that agent).
