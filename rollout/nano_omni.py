@@ -23,6 +23,12 @@ their fixes.
    Failed to load weights"). :func:`install_projector` copies the push's projector tensors in after every install,
    whichever path installed it.
 
+5. vLLM's image processor for the model (``transformers_utils/processors/nano_nemotron_vl.py``, 0.32 and 0.25.1)
+   resizes with ``_bicubic_resize_and_normalize`` under ``torch.compile(dynamic=True)``: inductor compiles C++ for
+   it on the first image, inside ``AsyncLLM.add_request`` on the engine actor's event loop. The H100's first image
+   request took 90 s and the actor missed two health checks; here the first call takes 3.6 s, eager 1 ms.
+   :func:`patch_vllm` puts the uncompiled function back (the same arithmetic: it is what ``torch.compile`` wraps).
+
 Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 0 items and
 :mod:`rollout.vllm_images` refuses a prompt holding the audio placeholder.
 """
@@ -69,12 +75,15 @@ def hf_overrides(model_path: str, supported: Collection[str] | None = None) -> d
 
 
 def patch_vllm() -> None:
-    """Make ``NemotronH_Nano_VL_V2.extract_feature_dynamic`` keep the model's dtype (fix 2 of the module docstring).
-    Idempotent; nothing when vLLM has no ``nano_nemotron_vl``."""
+    """Make ``NemotronH_Nano_VL_V2.extract_feature_dynamic`` keep the model's dtype (fix 2 of the module docstring)
+    and the image processor's resize run eagerly (fix 5). Idempotent; nothing when vLLM has no ``nano_nemotron_vl``."""
     try:
         from vllm.model_executor.models import nano_nemotron_vl
+        from vllm.transformers_utils.processors import nano_nemotron_vl as processor
     except ImportError:
         return
+    resize = processor._bicubic_resize_and_normalize  # pyright: ignore[reportPrivateUsage]
+    processor._bicubic_resize_and_normalize = getattr(resize, "_torchdynamo_orig_callable", resize)
     cls = nano_nemotron_vl.NemotronH_Nano_VL_V2
     if getattr(cls.extract_feature_dynamic, "inflight_dtype_fix", False):
         return

@@ -1,6 +1,7 @@
 """Nemotron-3-Nano-Omni in the engine without starting vLLM: its engine arguments (hybrid SSM cache, no audio,
 vLLM's ``vit_hidden_size`` given back), its image tokens (``<img>`` / ``</img>`` removed around each collapsed run,
-as vLLM's processor writes them), audio prompts refused, and the dtype fix of vLLM's feature extraction."""
+as vLLM's processor writes them), audio prompts refused, the dtype fix of vLLM's feature extraction and its image
+resize run eagerly."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,6 +113,21 @@ def test_patched_feature_extraction_keeps_the_model_dtype():
     del fake.vision_final_layernorm  # vLLM 0.25.1's model has no such attribute
     fn(fake, torch.ones(1, 4, 8), [(32, 32)])
     assert seen["dtype"] == torch.float32
+
+
+def test_patched_image_resize_runs_eagerly_with_the_same_result():
+    from vllm.transformers_utils.processors import nano_nemotron_vl as processor
+    patch_vllm()
+    resize = processor._bicubic_resize_and_normalize
+    assert not hasattr(resize, "_torchdynamo_orig_callable")  # no torch.compile wrapper left
+    patch_vllm()
+    assert processor._bicubic_resize_and_normalize is resize
+    pixels = torch.randint(0, 256, (1, 12, 20, 3), dtype=torch.uint8)
+    mean, std = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.tensor([0.2, 0.3, 0.4]).view(1, 3, 1, 1)
+    eager = resize(pixels, size=(16, 16), norm_mean=mean, norm_std=std)
+    assert eager.shape == (1, 3, 16, 16)
+    compiled = torch.compile(resize, dynamic=True)  # as vLLM's module compiles it
+    torch.testing.assert_close(eager, compiled(pixels, size=(16, 16), norm_mean=mean, norm_std=std))
 
 
 class NemotronH_Nano_VL_V2(torch.nn.Module):  # vLLM's class name, which install_projector checks
