@@ -41,9 +41,10 @@
 #   bash bench/gpu_session.sh Q   # the seed's async recipe (NeMo-RL's file, unchanged) on a tiny random Nano-Omni,
 #                                 # one GPU shared by engine and learner, 3 steps; the vllm_kwargs read back
 #                                 # (tests/integration/services/test_seed_recipe_gpu.py)
-#   bash bench/gpu_session.sh QB  # phase Q started in the background (into /tmp/qbg), for a fresh host where it
-#                                 # needs more than one call; then, in the next call made back to back:
-#   bash bench/gpu_session.sh QW  # wait for it and bring back its results
+#   BG_PHASES="Q:800 R:450 S:450" bash bench/gpu_session.sh BG  # those phases one after another in the background
+#                                 # (into /tmp/bg), each with its own budget, past this call; then, in the next
+#                                 # calls made back to back:
+#   bash bench/gpu_session.sh BGW # wait for them and bring back the phases finished so far
 #   bash bench/gpu_session.sh R   # routing replay off / on, the small Qwen3-MoE: one pool (engine and learner side by
 #                                 # side, sync so every step trains at age 0, the engine returning its experts),
 #                                 # two learner jobs attached in turn (replay off, then on), 3 steps each
@@ -131,7 +132,7 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
-case $PHASE in K|N|O|P|Q|QB|QW|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -277,16 +278,21 @@ Q)
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
   ray_logs
   ;;
-QB)  # phase Q in the background, past this call (the machine and its processes stay up between calls made back
-  # to back): on a fresh host the engine's start and the first step take ~6 min of the 10 (2026-12-05)
-  setsid nohup env OUT=/tmp/qbg BUDGET_S=1500 Q_LIMIT_S=1400 bash bench/gpu_session.sh Q > /tmp/qbg.log 2>&1 < /dev/null &
-  sleep $(( $(left) - 15 )); tail -n 5 /tmp/qbg.log; ls /tmp/qbg/pytest/*/run 2>/dev/null
-  ;;
-QW)  # wait for phase QB's run (started by an earlier call), then bring its tarball back
-  while [ ! -f /tmp/qbg.tgz ] && [ "$(left)" -gt 15 ]; do sleep 5; done
-  cat /tmp/qbg.log
-  [ -f /tmp/qbg.tgz ] || { OUT=/tmp/qbg ray_logs; tar czf /tmp/qbg.tgz /tmp/qbg 2>/dev/null; }  # still running
-  cp /tmp/qbg.tgz "$OUT/"
+BG|BGW)  # BG: the phases of BG_PHASES ("Q:800 R:450 S:450": phase and its budget in s) one after another in the
+  # background, each into /tmp/bg/PHASE, past this call: a command's processes die when it returns unless they start
+  # their own session (device README), and on a fresh host the Nano-Omni engine alone took ~190 s (2026-12-05).
+  # Both then wait for the chain and bring back the phases finished so far (BGW: in the calls that follow).
+  if [ "$PHASE" = BG ]; then
+    mkdir -p /tmp/bg/sent
+    setsid nohup bash -c 'for pb in $0; do p=${pb%%:*} b=${pb#*:}; echo "== $p ($b s) $(date +%T)"
+      OUT=/tmp/bg/$p BUDGET_S=$b Q_LIMIT_S=$(( b - 40 )) bash bench/gpu_session.sh $p; done; touch /tmp/bg/done' \
+      "${BG_PHASES:-Q:800 R:450 S:450}" > /tmp/bg/log 2>&1 < /dev/null &
+  fi
+  while [ ! -f /tmp/bg/done ] && [ "$(left)" -gt 25 ]; do sleep 5; done
+  cat /tmp/bg/log
+  for t in /tmp/bg/*.tgz; do [ -f "$t" ] && cp "$t" "$OUT/" && mv "$t" /tmp/bg/sent/; done  # each brought back once
+  [ -f /tmp/bg/done ] || for d in /tmp/bg/*/; do  # the phase still running: its logs so far
+    [ "$d" = /tmp/bg/sent/ ] || tar czf "$OUT/running_$(basename "$d").tgz" "$d" 2>/dev/null; done
   ;;
 R|S|RS)
   [ "$PHASE" = R ] || { [ -d "$NH_DIR/nemotron-h-moe-small" ] || build "$NH_DIR/nemotron-h-moe-small" nemotron_h_moe small; }
