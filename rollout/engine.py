@@ -22,6 +22,7 @@ import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
 from protocol.images import PromptImage
+from rollout import nano_omni
 from rollout.completion_order import in_completion_order
 from rollout.config import GenerationConfig
 from rollout.counters import EnvCounters, RolloutCounters
@@ -121,6 +122,9 @@ class RolloutEngine:
         for ignored in options.ignored:
             logger.warning("rollout engine %s: %s", self.engine_id, ignored.message(options.platform))
         os.environ.update(options.env)
+        if nano_omni.is_nano_omni(self.model_path):  # vLLM's plugins reach only an installed Inflight (its entry
+            nano_omni.patch_vllm()  # point); the GPU hosts run it from the source tree, and the image processor
+            # runs here, in this process (rollout/nano_omni.py, fix 5)
         self.installer.expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.sampler.chat_turns = ChatTurns(self._tokenizer, template_kwargs=self.chat_template_kwargs)

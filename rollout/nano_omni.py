@@ -28,6 +28,9 @@ their fixes.
    it on the first image, inside ``AsyncLLM.add_request`` on the engine actor's event loop. The H100's first image
    request took 90 s and the actor missed two health checks; here the first call takes 3.6 s, eager 1 ms.
    :func:`patch_vllm` puts the uncompiled function back (the same arithmetic: it is what ``torch.compile`` wraps).
+   The engine calls it in its own process too (:meth:`rollout.engine.RolloutEngine.start`): the entry point that
+   vLLM's plugins come from exists only where Inflight is installed, and the GPU hosts run it from the source tree
+   (its first image request there still took 70 s with the fix reached only through the entry point).
 
 Audio (the Parakeet encoder) is not supported: ``limit_mm_per_prompt`` gives it 0 items and
 :mod:`rollout.vllm_images` refuses a prompt holding the audio placeholder.

@@ -130,6 +130,34 @@ def test_patched_image_resize_runs_eagerly_with_the_same_result():
     torch.testing.assert_close(eager, compiled(pixels, size=(16, 16), norm_mean=mean, norm_std=std))
 
 
+def test_the_engine_patches_vllm_in_its_own_process_before_building_a_nano_omni_engine(omni_dir, tiny_model_dir,
+                                                                                       monkeypatch):
+    """The GPU hosts run Inflight from the source tree: no entry point, so vLLM loads no plugin of ours there."""
+    import asyncio
+
+    import vllm.plugins
+
+    from rollout import engine as engine_module
+    from rollout.config import GenerationConfig
+    from rollout.engine import RolloutEngine
+    from rollout.rewards.registry import get_reward_fn
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", True)  # as on a host where Inflight is not installed
+    calls = []
+    monkeypatch.setattr(engine_module.nano_omni, "patch_vllm", lambda: calls.append("patch_vllm"))
+
+    def build(engine_args, kv):
+        calls.append("build")
+        raise RuntimeError("stop before vLLM starts")
+    monkeypatch.setattr(engine_module, "build_async_llm", build)
+    monkeypatch.setattr(engine_module.os, "environ", dict(engine_module.os.environ))  # the options' env stays here
+    for model_dir, expected in ((omni_dir, ["patch_vllm", "build"]), (str(tiny_model_dir), ["build"])):
+        calls.clear()
+        engine = RolloutEngine(model_dir, GenerationConfig(max_new_tokens=8), 64, get_reward_fn("format"))
+        with pytest.raises(RuntimeError, match="stop before vLLM starts"):
+            asyncio.run(engine.start())
+        assert calls == expected, model_dir
+
+
 class NemotronH_Nano_VL_V2(torch.nn.Module):  # vLLM's class name, which install_projector checks
     """vLLM's Nano-Omni as far as its projector goes: ``mlp1`` (RMSNorm weight, two linear layers), no final norm."""
 
