@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from protocol.pool_client import PoolClient
@@ -43,8 +44,10 @@ def deploy_pool(recipe: Recipe, run_dir: Path | None = None) -> pool_api.Deploye
         return pool_api.deploy(recipe, model_path, admin_token(recipe, run_dir))  # PoolStartError if not ready
 
 
-def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True) -> Path:
-    """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file."""
+def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = True,
+                early: Future[LearnerGroup] | None = None) -> Path:
+    """Attach a learner job to ``pool_name`` and run the recipe's loop; returns the metrics file. ``early``: the
+    learner's ranks, started beside the pool (:func:`run_embedded`), else they start here."""
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
@@ -54,7 +57,8 @@ def run_learner(recipe: Recipe, pool_name: str, run_dir: Path, resume: bool = Tr
     save_run_recipe(recipe, model_path, run_dir)  # what `inflight export` rebuilds the learner from
     with startup_progress.phase("starting the learner (Megatron ranks, data, checkpoint)"):
         client = PoolClient(pool_api.connect(pool_name))
-        learner = LearnerGroup(recipe, model_path, colocation=client.colocation_group())
+        learner = (early.result() if early is not None
+                   else LearnerGroup(recipe, model_path, colocation=client.colocation_group()))
         job = LearnerJob(recipe, model_path, client, learner, run_dir, resume=resume)
     startup_progress.note("training: the first prompts go to the pool; the progress bar follows")
     try:
@@ -85,18 +89,43 @@ def run_embedded(recipe: Recipe, run_dir: Path, resume: bool = False) -> Path:
     with startup_progress.phase("starting Ray" if not os.environ.get("RAY_ADDRESS") else "connecting to Ray"):
         ray_runtime.connect(address="local" if not os.environ.get("RAY_ADDRESS") else None)
     try:
-        # The pool first, the learner once it is ready: with rollout_pool.share_gpu the two share one GPU, and
-        # vLLM sizes its KV cache from the device's free memory as it profiles at start-up (and refuses to start
-        # when less than gpu_memory_utilization of the GPU is free), so the learner's rank must not touch the
-        # GPU before then; afterwards the engine's memory is fixed and the learner stays within its
-        # policy.megatron_cfg.gpu_memory_fraction.
-        deployed = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
+        # On GPUs the pool first, the learner once it is ready: with rollout_pool.share_gpu the two share one GPU,
+        # and vLLM sizes its KV cache from the device's free memory as it profiles at start-up (and refuses to
+        # start when less than gpu_memory_utilization of the GPU is free), so the learner's rank must not touch
+        # the GPU before then; afterwards the engine's memory is fixed and the learner stays within its
+        # policy.megatron_cfg.gpu_memory_fraction. On CPU the learner's ranks start beside the pool.
+        early = start_learner_early(recipe) if recipe.cluster.gpus_per_node == 0 else None
+        try:
+            deployed = deploy_pool(recipe, run_dir)  # a pool that does not start is removed before this raises
+        except Exception:
+            if early is not None:
+                discard_learner(early)
+            raise
         try:
             http = deployed.http
             print(f"rollout pool {deployed.status.name!r} ready at version {deployed.status.version}; "
                   f"metrics: {http}/metrics  health: {http}/healthz  ready: {http}/readyz", file=sys.stderr)
-            return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=resume)
+            return run_learner(recipe, recipe.rollout_pool.name, run_dir, resume=resume, early=early)
         finally:
             pool_api.shutdown(recipe.rollout_pool.name)
     finally:
         ray_runtime.shutdown()
+
+
+def start_learner_early(recipe: Recipe) -> Future[LearnerGroup]:
+    """The learner's ranks (Megatron's model, built from the model's files) started in a thread while the pool's
+    engines start: a CPU run has no GPU to share or colocation group to wait for (:func:`run_embedded`)."""
+    model_path = resolve_policy_model(recipe.policy)  # made once, here, before the pool and the ranks read it
+    starter = ThreadPoolExecutor(1, thread_name_prefix="learner-start")
+    try:
+        return starter.submit(LearnerGroup, recipe, model_path)
+    finally:
+        starter.shutdown(wait=False)  # the ranks go on starting; the thread ends with them
+
+
+def discard_learner(early: Future[LearnerGroup]) -> None:
+    """Stop ranks started early for a pool that did not start; their own error, if any, gives way to the pool's."""
+    try:
+        early.result().shutdown()
+    except Exception:  # noqa: BLE001 - the pool's failure is the one reported
+        pass
