@@ -49,8 +49,9 @@
 #                                 # side, sync so every step trains at age 0, the engine returning its experts),
 #                                 # two learner jobs attached in turn (replay off, then on), 3 steps each
 #   bash bench/gpu_session.sh S   # the same with the small Nemotron-H MoE hybrid
-#   bash bench/gpu_session.sh RS  # R then S in one call (each a pool start and two jobs); on a fresh host one
-#                                 # pool start takes ~190 s, so run R and S in calls of their own there
+#   bash bench/gpu_session.sh RS  # R then S in one call (each a pool start and two jobs); on a fresh H100 one
+#                                 # pool start took 164-190 s, each job's learner start ~45 s and a step ~20 s,
+#                                 # so give R and S ~7 min each there (BG_PHASES="R:450 S:540"; 370 s was short)
 set -u
 PHASE=${1:?phase A to S, or RS}
 OUT=${OUT:-bench/results/gpu_session}
