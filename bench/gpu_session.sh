@@ -108,6 +108,7 @@ replay_pair() {  # replay_pair MODEL TAG KEEP_S: routing replay off / on on MODE
   # the deploy's own share: on a fresh H100 (2026-12-05) one engine took ~190 s to answer ready, and a deploy
   # stopped at 131 s took its Ray head down with it
   cap=$(( $(left) - keep - 160 )); [ "$cap" -gt 300 ] && cap=300
+  stacks "$tag" 200
   step "${tag}_pool_deploy" $cap $PY -m services.cli pool deploy $rep --run-dir "$OUT/${tag}_pool"
   for replay in false true; do
     cap=$(( $(left) - keep - 40 )); [ $replay = false ] && cap=$(( cap / 2 ))
@@ -133,6 +134,20 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
+# py-spy, where its wheel came along (.carry/rN/wheels/py_spy-*.whl), for the stacks of a slow start: on a fresh H100
+# (2026-12-05) 82 s passed in the Nano-Omni engine actor before vLLM's engine core began (about 6 s on CPU)
+if ! command -v py-spy > /dev/null && compgen -G ".carry/*/wheels/py_spy-*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/*/wheels/py_spy-*.whl && PATH=/tmp/pyspy/bin:$PATH
+fi
+stacks() {  # stacks TAG SECONDS: every 15 s for SECONDS, in the background, the Python stacks of the engine actors
+  # and engine cores (Ray names its actor processes ray::CLASS) into $OUT/stacks_TAG.log
+  command -v py-spy > /dev/null || { echo "stacks: no py-spy" > "$OUT/stacks_$1.log"; return 0; }
+  ( end=$(( $(date +%s) + $2 )); while [ "$(date +%s)" -lt $end ]; do sleep 15
+      for pid in $(pgrep -f "ray::EngineActor|EngineCore"); do
+        echo "== $(date +%T) pid $pid $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-80)"; py-spy dump --pid "$pid" 2>&1 | head -80
+      done
+    done > "$OUT/stacks_$1.log" 2>&1 ) &
+}
 case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
@@ -271,6 +286,7 @@ P)
   ;;
 Q)
   [ -d data/clevr-gpu ] && export INFLIGHT_SEED_CLEVR=$PWD/data/clevr-gpu  # made on the CPU machine, carried
+  stacks Q 300
   # --basetemp: the run directory (driver.log, the pool's and Ray's logs) comes back in the tarball even when the
   # test is stopped (2026-12-05: stopped at 500 s with nothing to read)
   step seed_recipe_gpu_test "${Q_LIMIT_S:-560}" $PY -m pytest -m gpu -x -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
