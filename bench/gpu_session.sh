@@ -134,6 +134,13 @@ if ! $PY -c "import omegaconf" 2>/dev/null && compgen -G ".carry/*/wheels/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --target "${SITE:-/tmp/site}" .carry/*/wheels/*.whl \
     && echo "installed $(ls .carry/*/wheels/*.whl | xargs -n1 basename | tr '\n' ' ')into ${SITE:-/tmp/site}"
 fi
+# The bundle's wheels are installed with --no-compile: on a fresh H100 (2026-12-05, py-spy) each new process (the
+# engine actor, vLLM's model-inspection subprocess, the engine core) compiled its modules from source, one after
+# another, ~60 s before the engine core began. Compile them once, on all cores (not yet measured).
+if [ -d /tmp/site ] && [ ! -f /tmp/site/.inflight_compiled ]; then
+  t0=$(date +%s); $PY -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; touch /tmp/site/.inflight_compiled
+  echo "compiled /tmp/site in $(( $(date +%s) - t0 )) s"
+fi
 # py-spy, where its wheel came along (.carry/rN/wheels/py_spy-*.whl), for the stacks of a slow start: on a fresh H100
 # (2026-12-05) 82 s passed in the Nano-Omni engine actor before vLLM's engine core began (about 6 s on CPU)
 if ! command -v py-spy > /dev/null && compgen -G ".carry/*/wheels/py_spy-*.whl" > /dev/null; then
