@@ -41,7 +41,7 @@
 #   bash bench/gpu_session.sh Q   # the seed's async recipe (NeMo-RL's file, unchanged) on a tiny random Nano-Omni,
 #                                 # one GPU shared by engine and learner, 3 steps; the vllm_kwargs read back
 #                                 # (tests/integration/services/test_seed_recipe_gpu.py)
-#   BG_PHASES="Q:800 R:450 S:450" bash bench/gpu_session.sh BG  # those phases one after another in the background
+#   BG_PHASES="Q:600 R:450 S:540" bash bench/gpu_session.sh BG  # those phases one after another in the background
 #                                 # (into /tmp/bg), each with its own budget, past this call; then, in the next
 #                                 # calls made back to back:
 #   bash bench/gpu_session.sh BGW # wait for them and bring back the phases finished so far
@@ -302,7 +302,7 @@ Q)
   grep -h "read_back" "$OUT/seed_recipe_gpu.jsonl" | cut -c1-3000
   ray_logs
   ;;
-BG|BGW)  # BG: the phases of BG_PHASES ("Q:800 R:450 S:450": phase and its budget in s) one after another in the
+BG|BGW)  # BG: the phases of BG_PHASES ("Q:600 R:450 S:540": phase and its budget in s) one after another in the
   # background, each into /tmp/bg/PHASE, past this call: a command's processes die when it returns unless they start
   # their own session (device README), and on a fresh host the Nano-Omni engine alone took ~190 s (2026-12-05).
   # Both then wait for the chain and bring back the phases finished so far (BGW: in the calls that follow).
@@ -310,7 +310,7 @@ BG|BGW)  # BG: the phases of BG_PHASES ("Q:800 R:450 S:450": phase and its budge
     mkdir -p /tmp/bg/sent
     setsid nohup bash -c 'for pb in $0; do p=${pb%%:*} b=${pb#*:}; echo "== $p ($b s) $(date +%T)"
       OUT=/tmp/bg/$p BUDGET_S=$b Q_LIMIT_S=$(( b - 40 )) bash bench/gpu_session.sh $p; done; touch /tmp/bg/done' \
-      "${BG_PHASES:-Q:800 R:450 S:450}" > /tmp/bg/log 2>&1 < /dev/null &
+      "${BG_PHASES:-Q:600 R:450 S:540}" > /tmp/bg/log 2>&1 < /dev/null &
   fi
   while [ ! -f /tmp/bg/done ] && [ "$(left)" -gt 25 ]; do sleep 5; done
   cat /tmp/bg/log
