@@ -29,6 +29,9 @@
 #   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
+#   bash bench/gpu_session.sh MP  # M's async run alone, the learner rank's stacks recorded over warm steps (py-spy)
+#   bash bench/gpu_session.sh V   # attention sdpa vs sdpa_batched: bench/learner_step.py at the loop's shape, then
+#                                 # MP's run with sdpa_batched, profiled the same way
 # Nemotron-H on one H200 (issue 34; models from `bench/nemotron_h_gpu.py build` in $NH_DIR, default /tmp/models):
 #   bash bench/gpu_session.sh N   # the GPU test of pushes into a running NemotronH engine vs a fresh engine (small
 #                                 # dense and MoE hybrids; four engine starts of ~90-120 s each on a fresh host)
@@ -155,7 +158,18 @@ stacks() {  # stacks TAG SECONDS: every 15 s for SECONDS, in the background, the
       done
     done > "$OUT/stacks_$1.log" 2>&1 ) &
 }
-case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+profile_rank() {  # profile_rank TAG RUN_DIR SECONDS: once RUN_DIR has a step's metrics, SECONDS of the learner rank's
+  # Python stacks (py-spy record, 100 Hz, collapsed) into $OUT/profile_TAG.txt, and the rank's thread settings: the loop
+  # trained at 67 % of bench/learner_step.py's rate (2026-12-04), and Ray gives a num_cpus=0 actor OMP_NUM_THREADS=1
+  command -v py-spy > /dev/null || { echo "profile_rank: no py-spy" > "$OUT/profile_$1.log"; return 0; }
+  ( for _ in $(seq 1 200); do [ -s "$2/metrics.jsonl" ] && break; sleep 3; done
+    pid=$(pgrep -f "ray::LearnerActor" | head -1)
+    [ -n "$pid" ] || { echo "no ray::LearnerActor"; exit 0; }
+    echo "pid $pid"; tr '\0' '\n' < "/proc/$pid/environ" | grep -E "^(OMP|MKL|CUDA_VISIBLE|PYTORCH)"
+    py-spy record --pid "$pid" --duration "$3" --rate 100 --format raw --nonblocking -o "$OUT/profile_$1.txt"
+  ) > "$OUT/profile_$1.log" 2>&1 &
+}
+case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; MP|V) build $dense qwen2 0.6b ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -273,6 +287,23 @@ M)
     $PY bench/step_breakdown.py --steps 5 --out "$OUT/step_breakdown_h200_one_gpu.json" \
       --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
   fi
+  ;;
+MP)  # the async one-GPU run of M alone, its learner rank profiled over warm steps (issue 35: loop vs bench)
+  profile_rank async_one_gpu "$OUT/async_one_gpu" 25
+  step async_one_gpu 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml --steps 5 \
+    policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false \
+    --run-dir "$OUT/async_one_gpu"
+  cp "$OUT/async_one_gpu/metrics.jsonl" "$OUT/async_one_gpu_metrics.jsonl" 2>/dev/null
+  ;;
+V)  # sdpa once per sequence against sdpa_batched (one call per length bucket): MP's profile put two thirds of the
+  # learner rank's forward in the per-sequence SDPA calls (2026-12-05); the bench at the loop's shape, then the loop
+  step learner_step_backends 220 $PY bench/learner_step.py --shape qwen3-0.6b --seq-len 320 --groups 16 --group-size 16 \
+    --mb-tokens 4096,8192 --backends sdpa,sdpa_batched --no-two-step --steps 4 --out "$OUT/learner_step_batched.json"
+  profile_rank async_batched "$OUT/async_batched" 25
+  step async_batched 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml --steps 5 \
+    policy.model_name=$dense $SHAPE policy.megatron_cfg.attention_backend=sdpa_batched logger.tensorboard_enabled=false \
+    checkpointing.enabled=false --run-dir "$OUT/async_batched"
+  cp "$OUT/async_batched/metrics.jsonl" "$OUT/async_batched_metrics.jsonl" 2>/dev/null
   ;;
 N)
   step nemotron_h_gpu_test 560 $PY -m pytest -m gpu -q -s -p no:cacheprovider tests/integration/rollout/test_nemotron_h_gpu.py
