@@ -201,7 +201,8 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = 
     bare_tps = tokens / float(np.median(bare_s))
     peak = args.peak_tflops * 1e12
     result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
-              "precision": megatron.precision, "experts": experts, "attention_backend": backend, "logprob_chunk_size": args.chunk,
+              "precision": megatron.precision, "experts": experts, "attention_backend": backend,
+              "logprob_chunk_size": args.chunk,
               "activation_checkpointing": args.recompute,
               "parameters": params, "active_parameters": active, "max_sequence_length": seq_len,
               "tokens_per_step": tokens,

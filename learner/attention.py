@@ -8,6 +8,8 @@ Megatron's local layer spec builds as ``core_attention`` (``DotProductAttention`
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` once per sequence, causal, GQA without repeating
   keys (flash / memory-efficient kernels on GPU, the CPU kernel in tests);
+- ``sdpa_batched``: the same kernel once per bucket of similar lengths, each sequence right-padded to its bucket's
+  longest (:mod:`learner.attention_buckets`): a few launches per layer instead of one per sequence;
 - ``flex``: one ``flex_attention`` call over the row under a document-causal ``BlockMask`` (built once per row,
   compiled on GPU; torch has no flex backward on the CPU, so there it serves no-grad forwards only);
 - ``local``: Megatron's own ``DotProductAttention`` under the dense block-diagonal mask, built here from the same
@@ -32,8 +34,10 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-AttentionBackend = Literal["auto", "flex", "sdpa", "local"]
-ResolvedBackend = Literal["flex", "sdpa", "local"]
+from learner.attention_buckets import BucketPlan, bucket_plan
+
+AttentionBackend = Literal["auto", "flex", "sdpa", "sdpa_batched", "local"]
+ResolvedBackend = Literal["flex", "sdpa", "sdpa_batched", "local"]
 
 
 def resolve_backend(backend: AttentionBackend) -> ResolvedBackend:
@@ -51,6 +55,8 @@ class PackedRow(PackedSeqParams):
     """The row's flex ``BlockMask``, built by the first layer that needs it and shared by the others."""
     dense_mask: torch.Tensor | None = None
     """The row's ``[1, 1, T, T]`` bool mask (True = masked), built by the first ``local`` layer."""
+    buckets: BucketPlan | None = None
+    """The row's length buckets, built by the first ``sdpa_batched`` layer and shared by the others."""
 
 
 def packed_row(blocks: Sequence[int], device: torch.device) -> PackedRow:
@@ -118,6 +124,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[in
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def _sdpa_batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: BucketPlan,
+                  scale: float) -> torch.Tensor:
+    """Causal SDPA of a packed row's ``[T, heads, d]`` tensors, one batched call per bucket of ``plan``; returns
+    ``[T, heads, d]`` in row order."""
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for b in plan.buckets:
+        qb, kb, vb = (t.index_select(0, b.gather).unflatten(0, (b.count, b.length)).transpose(1, 2)
+                      for t in (query, key, value))  # [count, heads, length, d]
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, b.keep))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, plan.order)
+
+
 class PackedAttention(MegatronModule):
     """Core attention from a :class:`PackedRow`'s boundaries (module docstring); ``DotProductAttention``'s
     constructor and forward signature. Without ``packed_seq_params`` every batch row is one causal sequence."""
@@ -163,6 +183,11 @@ class PackedAttention(MegatronModule):
             if row.dense_mask is None:
                 row.dense_mask = block_diagonal_causal_mask(row.blocks, query.device)
             return self.dense(query, key, value, row.dense_mask)
+        if row is not None and self.backend == "sdpa_batched":
+            if row.buckets is None:
+                row.buckets = bucket_plan(row.blocks, query.device)
+            return _sdpa_batched(query[:, 0], key[:, 0], value[:, 0], row.buckets,
+                                 self.softmax_scale).reshape(s, b, heads * d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         if row is None:
             out = _sdpa(q, k, v, [s], self.softmax_scale)
@@ -181,10 +206,14 @@ class _Sdpa(PackedAttention):
     backend = "sdpa"
 
 
+class _SdpaBatched(PackedAttention):
+    backend = "sdpa_batched"
+
+
 class _Local(PackedAttention):
     backend = "local"
 
 
 def core_attention_class(backend: ResolvedBackend) -> type[PackedAttention]:
     """The ``core_attention`` module class of the local layer spec for ``backend``."""
-    return {"flex": _Flex, "sdpa": _Sdpa, "local": _Local}[backend]
+    return {"flex": _Flex, "sdpa": _Sdpa, "sdpa_batched": _SdpaBatched, "local": _Local}[backend]

@@ -77,10 +77,11 @@ class MegatronConfig(ConfigModel):
     (``torch.cuda.set_per_process_memory_fraction``, set as the rank picks its device): an allocation past it
     raises out-of-memory in the learner instead of taking the memory of an engine on the same GPU. None: no cap.
     Needed by ``rollout_pool.share_gpu``; no effect on CPU."""
-    attention_backend: Literal["auto", "flex", "sdpa", "local"] = "auto"
+    attention_backend: Literal["auto", "flex", "sdpa", "sdpa_batched", "local"] = "auto"
     """Core attention over packed rows (:mod:`learner.attention`): ``flex`` (flex_attention, document mask),
-    ``sdpa`` (SDPA per sequence), ``local`` (Megatron's DotProductAttention under a dense ``[T, T]`` mask:
-    quadratic memory, for comparison); ``auto``: sdpa (the fastest on an H200, docs/benchmarks.md)."""
+    ``sdpa`` (SDPA per sequence), ``sdpa_batched`` (SDPA per bucket of similar lengths, right-padded), ``local``
+    (Megatron's DotProductAttention under a dense ``[T, T]`` mask: quadratic memory, for comparison); ``auto``:
+    sdpa (the fastest on an H200, docs/benchmarks.md)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Positions per chunk of the output layer + log-prob + entropy (NeMo-RL's ``policy.logprob_chunk_size``):
     the fp32 logits of one chunk exist at a time, forward and backward (the chunk's logits are recomputed in

@@ -1,4 +1,4 @@
-"""Packed attention from sequence boundaries (sdpa, flex) and chunked log-probs equal the dense-mask path.
+"""Packed attention from sequence boundaries (sdpa, sdpa_batched, flex) and chunked log-probs equal the dense-mask path.
 
 One float32 model per attention backend, same weights, on packed rows of mixed lengths (with a padding block):
 log-probs and every parameter's gradient agree with Megatron's ``DotProductAttention`` under the block-diagonal
@@ -14,14 +14,15 @@ from gloo_ranks import become_rank, run_ranks
 
 TOL = 1e-5
 LENGTHS = (37, 5, 64, 2, 19, 11)
+SIMILAR = (30, 8, 27, 7, 24, 21, 5, 19)  # sdpa_batched pads: rows (30, 27, 21) and (24, 19 | 8, 7, 5) in buckets
 TIMEOUT_S = 180.0
 
 
-def _rows(vocab: int):
+def _rows(vocab: int, lengths=LENGTHS):
     from learner.packing import pack, pad_micro_batch
 
     rng = np.random.default_rng(3)
-    seqs = [rng.integers(3, vocab, n).astype(np.int64) for n in LENGTHS]
+    seqs = [rng.integers(3, vocab, n).astype(np.int64) for n in lengths]
     mbs, _ = pack(seqs, budget=80)
     assert len(mbs) > 1 and any(len(mb.segments) > 2 for mb in mbs)
     return mbs + [pad_micro_batch(mbs[-1], mbs[-1].num_tokens + 9)]  # a padding block at the end
@@ -69,13 +70,16 @@ def _assert_close(got, want, what: str) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_tied"])
 def test_boundaries_and_chunks_equal_the_dense_mask(family, family_models):
     model_dir = family_models(family)
-    models = {b: _model(model_dir, b) for b in ("local", "sdpa", "flex")}
+    models = {b: _model(model_dir, b) for b in ("local", "sdpa", "sdpa_batched", "flex")}
     from learner.attention import PackedAttention
     assert all(isinstance(m.decoder.layers[0].self_attention.core_attention, PackedAttention) for m in models.values())
     vocab = models["local"].vocab_size
     mbs = _rows(vocab)
     dense = _scores(models["local"], mbs, chunk=None)
     _assert_close(_scores(models["sdpa"], mbs, chunk=None), dense, "sdpa vs dense mask")
+    similar = _rows(vocab, SIMILAR)
+    for what, rows, want in (("", mbs, dense), (", similar lengths", similar, _scores(models["local"], similar, None))):
+        _assert_close(_scores(models["sdpa_batched"], rows, chunk=None), want, f"sdpa_batched vs dense mask{what}")
     from learner.logprobs import token_logprobs
     with torch.no_grad():  # torch's flex_attention has no backward on the CPU
         for mb, (lp0, _, _) in zip(mbs, dense, strict=True):

@@ -1,5 +1,5 @@
-"""learner.attention: the boundaries of a packed row, and the sdpa / flex core attention against masked softmax
-attention written out here (GQA, float32, values and gradients)."""
+"""learner.attention: the boundaries of a packed row, and the sdpa / sdpa_batched / flex core attention against
+masked softmax attention written out here (GQA, float32, values and gradients)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 from learner.attention import PackedAttention, block_diagonal_causal_mask, core_attention_class, packed_row
 
 BLOCKS = (7, 1, 12, 4)
+UNEVEN = (7, 1, 12, 4, 6, 11)  # sdpa_batched's buckets: [12, 11, 7] and [6, 4] padded, [1]
 HEADS, GROUPS, DIM = 4, 2, 16
 
 
@@ -48,16 +49,22 @@ def _module(backend) -> PackedAttention:
     return core_attention_class(backend)(config, 1, None, "self")
 
 
-def _inputs():
+def _inputs(blocks=BLOCKS):
     gen = torch.Generator().manual_seed(0)
-    total = sum(BLOCKS)
+    total = sum(blocks)
     return [torch.randn(total, 1, n, DIM, generator=gen, requires_grad=True) for n in (HEADS, GROUPS, GROUPS)]
 
 
-def test_sdpa_per_sequence_equals_masked_attention_with_gradients():
-    q, k, v = _inputs()
-    out = _module("sdpa")(q, k, v, None, packed_seq_params=packed_row(BLOCKS, q.device))
-    ref = _reference(q, k, v, BLOCKS)
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_batched"])
+@pytest.mark.parametrize("blocks", [BLOCKS, UNEVEN])
+def test_sdpa_equals_masked_attention_with_gradients(backend, blocks):
+    q, k, v = _inputs(blocks)
+    row = packed_row(blocks, q.device)
+    out = _module(backend)(q, k, v, None, packed_seq_params=row)
+    assert (row.buckets is not None) == (backend == "sdpa_batched")  # built once, for the row's other layers
+    if backend == "sdpa_batched" and blocks == UNEVEN:
+        assert [(b.count, b.length) for b in row.buckets.buckets] == [(3, 12), (2, 6), (1, 1)]
+    ref = _reference(q, k, v, blocks)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     w = torch.randn_like(ref)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))

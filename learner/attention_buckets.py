@@ -1,0 +1,79 @@
+"""Length buckets of a packed row, for the ``sdpa_batched`` core attention (:mod:`learner.attention`).
+
+A row's sequences are sorted by length and grouped so that each group, right-padded to its longest, wastes at most
+``max_padding`` of its real tokens; each group then runs as one batched causal SDPA call instead of one call per
+sequence. Right padding changes no real position's output under a causal mask: a real query only sees keys at or
+before it, all real. The plan holds the index tensors that move the row's positions into the padded batches and the
+kept outputs back into row order, built once per row and shared by every layer.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_PADDING = 0.25
+"""Default bound on a bucket's padded slots, as a share of its real tokens."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Sequences of a row run as one ``[count, heads, length, d]`` batch."""
+
+    count: int
+    """Sequences in the bucket."""
+    length: int
+    """The longest one's length: every sequence is right-padded to it."""
+    gather: torch.Tensor
+    """``[count · length]`` row positions filling the batch, slot by slot (a pad slot repeats its sequence's first
+    position: it is seen only by pad queries, whose outputs are dropped)."""
+    keep: torch.Tensor
+    """The slots holding real positions, in slot order (``[tokens of the bucket]``)."""
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """How one packed row's positions go through :class:`Bucket` batches and back."""
+
+    buckets: tuple[Bucket, ...]
+    order: torch.Tensor
+    """``[T]``: for each row position, its index in the buckets' kept outputs concatenated in bucket order."""
+
+
+def group_by_length(blocks: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Indices of ``blocks`` grouped longest first: a group takes the next (shorter) block while its count times
+    its first block's length stays within ``1 + max_padding`` times its real tokens."""
+    if max_padding < 0:
+        raise ValueError(f"max_padding must be >= 0, got {max_padding}")
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(blocks)), key=lambda j: -blocks[j]):
+        if groups and (len(groups[-1]) + 1) * blocks[groups[-1][0]] <= (1 + max_padding) * (tokens + blocks[i]):
+            groups[-1].append(i)
+            tokens += blocks[i]
+        else:
+            groups.append([i])
+            tokens = blocks[i]
+    return groups
+
+
+def bucket_plan(blocks: Sequence[int], device: torch.device, max_padding: float = MAX_PADDING) -> BucketPlan:
+    """The :class:`BucketPlan` of a row made of ``blocks`` (lengths > 0), its index tensors on ``device``."""
+    starts = [0]
+    for n in blocks[:-1]:
+        starts.append(starts[-1] + n)
+    buckets, kept_positions = [], []
+    for group in group_by_length(blocks, max_padding):
+        length = blocks[group[0]]
+        gather, keep = [], []
+        for slot_base, i in zip(range(0, len(group) * length, length), group, strict=True):
+            n, start = blocks[i], starts[i]
+            gather += list(range(start, start + n)) + [start] * (length - n)
+            keep += range(slot_base, slot_base + n)
+            kept_positions += range(start, start + n)
+        buckets.append(Bucket(len(group), length, torch.tensor(gather, device=device),
+                              torch.tensor(keep, device=device)))
+    order = torch.empty(len(kept_positions), dtype=torch.long)
+    order[torch.tensor(kept_positions)] = torch.arange(len(kept_positions))
+    return BucketPlan(tuple(buckets), order.to(device))
