@@ -296,7 +296,9 @@ MP)  # the async one-GPU run of M alone, its learner rank profiled over warm ste
   cp "$OUT/async_one_gpu/metrics.jsonl" "$OUT/async_one_gpu_metrics.jsonl" 2>/dev/null
   ;;
 V)  # sdpa once per sequence against sdpa_batched (one call per length bucket): MP's profile put two thirds of the
-  # learner rank's forward in the per-sequence SDPA calls (2026-12-05); the bench at the loop's shape, then the loop
+  # learner rank's forward in the per-sequence SDPA calls (2026-12-05); both against attention written out on the
+  # GPU (the unit test's cuda cases), the bench at the loop's shape, then the loop
+  step attention_gpu_test 90 $PY -m pytest -m gpu -q -p no:cacheprovider tests/unit/learner/test_attention.py
   step learner_step_backends 220 $PY bench/learner_step.py --shape qwen3-0.6b --seq-len 320 --groups 16 --group-size 16 \
     --mb-tokens 4096,8192 --backends sdpa,sdpa_batched --no-two-step --steps 4 --out "$OUT/learner_step_batched.json"
   profile_rank async_batched "$OUT/async_batched" 25

@@ -9,6 +9,8 @@ from learner.attention import PackedAttention, block_diagonal_causal_mask, core_
 
 BLOCKS = (7, 1, 12, 4)
 UNEVEN = (7, 1, 12, 4, 6, 11)  # sdpa_batched's buckets: [12, 11, 7] and [6, 4] padded, [1]
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs an NVIDIA GPU")])
 HEADS, GROUPS, DIM = 4, 2, 16
 
 
@@ -37,7 +39,7 @@ def _reference(q, k, v, blocks):
     rep = heads // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / d ** 0.5
-    scores = scores.masked_fill(block_diagonal_causal_mask(blocks), float("-inf"))
+    scores = scores.masked_fill(block_diagonal_causal_mask(blocks, q.device), float("-inf"))
     return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(s, 1, heads * d)
 
 
@@ -49,28 +51,30 @@ def _module(backend) -> PackedAttention:
     return core_attention_class(backend)(config, 1, None, "self")
 
 
-def _inputs(blocks=BLOCKS):
+def _inputs(blocks=BLOCKS, device="cpu"):
     gen = torch.Generator().manual_seed(0)
     total = sum(blocks)
-    return [torch.randn(total, 1, n, DIM, generator=gen, requires_grad=True) for n in (HEADS, GROUPS, GROUPS)]
+    return [torch.randn(total, 1, n, DIM, generator=gen).to(device).requires_grad_() for n in (HEADS, GROUPS, GROUPS)]
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_batched"])
 @pytest.mark.parametrize("blocks", [BLOCKS, UNEVEN])
-def test_sdpa_equals_masked_attention_with_gradients(backend, blocks):
-    q, k, v = _inputs(blocks)
+def test_sdpa_equals_masked_attention_with_gradients(backend, blocks, device):
+    q, k, v = _inputs(blocks, device)  # float32: on a GPU the memory-efficient or math kernel
     row = packed_row(blocks, q.device)
-    out = _module(backend)(q, k, v, None, packed_seq_params=row)
+    out = _module(backend).to(device)(q, k, v, None, packed_seq_params=row)
     assert (row.buckets is not None) == (backend == "sdpa_batched")  # built once, for the row's other layers
     if backend == "sdpa_batched" and blocks == UNEVEN:
         assert [(b.count, b.length) for b in row.buckets.buckets] == [(3, 12), (2, 6), (1, 1)]
     ref = _reference(q, k, v, blocks)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    tol = dict(atol=1e-6, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)  # GPU kernels round differently
+    torch.testing.assert_close(out, ref, **tol)
     w = torch.randn_like(ref)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g, r, **tol)
 
 
 def test_flex_document_mask_equals_masked_attention():
