@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -60,9 +61,7 @@ def group_by_length(blocks: Sequence[int], max_padding: float = MAX_PADDING) -> 
 
 def bucket_plan(blocks: Sequence[int], device: torch.device, max_padding: float = MAX_PADDING) -> BucketPlan:
     """The :class:`BucketPlan` of a row made of ``blocks`` (lengths > 0), its index tensors on ``device``."""
-    starts = [0]
-    for n in blocks[:-1]:
-        starts.append(starts[-1] + n)
+    starts = [0, *accumulate(blocks[:-1])]
     buckets, kept_positions = [], []
     for group in group_by_length(blocks, max_padding):
         length = blocks[group[0]]
@@ -74,6 +73,5 @@ def bucket_plan(blocks: Sequence[int], device: torch.device, max_padding: float 
             kept_positions += range(start, start + n)
         buckets.append(Bucket(len(group), length, torch.tensor(gather, device=device),
                               torch.tensor(keep, device=device)))
-    order = torch.empty(len(kept_positions), dtype=torch.long)
-    order[torch.tensor(kept_positions)] = torch.arange(len(kept_positions))
+    order = torch.argsort(torch.tensor(kept_positions))  # kept_positions is a permutation of the row's positions
     return BucketPlan(tuple(buckets), order.to(device))
