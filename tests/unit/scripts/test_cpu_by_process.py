@@ -3,21 +3,17 @@ command counts only what it used since, kernel threads are left out; and the scr
 the CPU seconds its child burned."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from repo_scripts import ROOT, load_script
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "cpu_by_process.py"
+SCRIPT = ROOT / "bench" / "cpu_by_process.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("cpu_by_process_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/cpu_by_process.py", "cpu_by_process_bench")
 
 
 def test_kinds_come_from_retitled_command_lines():

@@ -3,24 +3,16 @@ learner's hybrid family with Nano 3's layer kinds, and active parameters count t
 experts only (shared expert, router, attention, Mamba, embeddings whole). No Megatron, no model build."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
 from learner.hf_config import parse_hf_config
-
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "learner_step.py"
+from repo_scripts import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("learner_step_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/learner_step.py", "learner_step_bench")
 
 
 def test_nemotron_h_shapes_parse_as_the_hybrid_family():

@@ -3,10 +3,8 @@ drawn colours that are in the image, the CoGenT-style split, and rows that load 
 whose images prepare (paths in JSONL, bytes in Parquet, the same images either way)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +13,11 @@ from PIL import Image
 from services.data.dataset import RowMapper, load_rows
 from services.data.image_pool import ImagePool
 from services.recipe.data import DataConfig
-
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "make_clevr.py"
+from repo_scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("make_clevr", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_clevr"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/make_clevr.py", "make_clevr")
 
 
 def _rows(path: Path) -> list[dict]:

@@ -1,20 +1,14 @@
 """The word-problem generator (scripts/make_math_problems.py): deterministic per seed, answers that check out."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "make_math_problems.py"
+from repo_scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("make_math_problems", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/make_math_problems.py", "make_math_problems")
 
 
 def _rows(path: Path) -> list[dict]:

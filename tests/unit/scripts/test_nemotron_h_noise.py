@@ -3,26 +3,15 @@ that differ at all, a bit-level difference counted), which tensors differ betwee
 'alone' puts one request in the engine at a time while 'together' submits them all at once. No engine."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from repo_scripts import load_script
 
 
 def _noise():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling nemotron_h_gpu (and that one learner_step)
-    try:
-        spec = importlib.util.spec_from_file_location("nemotron_h_noise_bench", BENCH / "nemotron_h_noise.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_script("bench/nemotron_h_noise.py", "nemotron_h_noise_bench")  # imports nemotron_h_gpu
 
 
 class _Recorder:
