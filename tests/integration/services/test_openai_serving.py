@@ -66,9 +66,10 @@ def test_streaming(served):
 def test_reasoning_comes_apart_from_the_answer(served):
     """The recipe's ``reasoning_parser`` (granite here: its marks are text, which the tiny model's tokenizer can
     write when a regex constrains the answer) splits the thinking from the answer, plain and streamed, under
-    vLLM's name ``reasoning`` and the older ``reasoning_content``."""
+    vLLM's name ``reasoning`` and the older ``reasoning_content``. Both requests carry one seed, so the streamed
+    one samples the same tokens."""
     recipe, _, client = served
-    ask = {"model": recipe.policy.model_name, "messages": MESSAGES, "max_tokens": 60, "extra_body": {
+    ask = {"model": recipe.policy.model_name, "messages": MESSAGES, "max_tokens": 60, "seed": 11, "extra_body": {
         "structured_outputs": {"regex": "Here is my thought process: [a-z]{2,6} Here is my response: [a-z]{2,6}"}}}
     message = client.chat.completions.create(**ask).choices[0].message
     thought = message.model_extra["reasoning"]
@@ -79,10 +80,13 @@ def test_reasoning_comes_apart_from_the_answer(served):
         for c in chunk.choices:
             for key in streamed:
                 streamed[key] += (c.delta.content if key == "content" else c.delta.model_extra.get(key)) or ""
-    # vLLM's streamed granite parser may leave the start of the response mark in the reasoning (" doliir Here ")
-    assert streamed["reasoning"] == streamed["reasoning_content"] and re.match(r" ?[a-z]{2,6}\b",
-                                                                                streamed["reasoning"]), streamed
-    assert re.fullmatch(r" ?[a-z]{2,6}", streamed["content"]), streamed
+    # vLLM's streamed granite parser may leave the start of the response mark in the reasoning (" doliir Here "),
+    # and drops what follows the thought mark within one delta: a busy engine merges tokens into one delta (its
+    # output collector), so the streamed thought may lose its first letters (it was "r " in a fresh-clone CI run).
+    assert streamed["reasoning"] == streamed["reasoning_content"], streamed
+    streamed_thought = streamed["reasoning"].split()
+    assert streamed_thought and thought.strip().endswith(streamed_thought[0]), (thought, streamed)
+    assert streamed["content"] == message.content, (message, streamed)  # the same answer, apart from the thought
 
 
 def test_named_tool_call(served):
