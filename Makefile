@@ -22,8 +22,8 @@ lint: setup
 # Two tiers (docs/testing.md): unit tests touch no Ray, vLLM engine or process group (tests/unit_guard.py) and run
 # in parallel; integration tests share one stack per session, in INTEGRATION_WORKERS xdist workers (each with its
 # own session stacks; a module, or the modules sharing a stack, on one worker: tests/integration/conftest.py;
-# INTEGRATION_WORKERS=0 runs them in one process). Each tier writes its modules' seconds to test-durations/ and fails when a module
-# exceeds its budget in tests/budgets.toml.
+# INTEGRATION_WORKERS=0 runs them in one process). Each tier writes its modules' seconds to test-durations/ and
+# fails when a module exceeds its budget in tests/budgets.toml.
 INTEGRATION_WORKERS ?= 2
 BUDGETS := --budgets tests/budgets.toml
 test: setup lint test-unit test-integration
