@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
+
 from repo_scripts import ROOT, load_script
 
-SCRIPT = ROOT / "bench" / "cpu_by_process.py"
+SCRIPT = "bench/cpu_by_process.py"
 
 
 def _bench():
-    return load_script("bench/cpu_by_process.py", "cpu_by_process_bench")
+    return load_script(SCRIPT, "cpu_by_process_bench")
 
 
 def test_kinds_come_from_retitled_command_lines():
@@ -39,7 +39,7 @@ def test_the_table_counts_only_the_seconds_used_since_the_start_and_leaves_kerne
 def test_a_command_that_burns_a_second_of_cpu_is_found(tmp_path):
     out = tmp_path / "cpu.json"
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\ntime.sleep(0.3)"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--period", "0.1", "--",
+    done = subprocess.run([sys.executable, str(ROOT / SCRIPT), "--out", str(out), "--period", "0.1", "--",
                            sys.executable, "-c", burn], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

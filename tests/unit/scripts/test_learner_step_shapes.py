@@ -3,12 +3,10 @@ learner's hybrid family with Nano 3's layer kinds, and active parameters count t
 experts only (shared expert, router, attention, Mamba, embeddings whole). No Megatron, no model build."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+from repo_scripts import load_script
 
 from learner.hf_config import parse_hf_config
-from repo_scripts import load_script
 
 
 def _bench():

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from repo_scripts import load_script
 
 from services.data.dataset import RowMapper, load_rows
 from services.data.image_pool import ImagePool
 from services.recipe.data import DataConfig
-from repo_scripts import load_script
 
 
 def _load():

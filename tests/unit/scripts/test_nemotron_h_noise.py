@@ -3,8 +3,6 @@ that differ at all, a bit-level difference counted), which tensors differ betwee
 'alone' puts one request in the engine at a time while 'together' submits them all at once. No engine."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from repo_scripts import load_script
