@@ -10,14 +10,13 @@ sample's token count while paused (:mod:`rollout.streamed`). docs/rollout.md
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
+from rollout.streamed import StreamedSample, VersionTracker, frontend_backlog
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +31,17 @@ def engine_labels_available() -> bool:
 
 @dataclass(frozen=True)
 class Drain:
-    """How the front end caught up with a pause (streamed labels)."""
+    """Where the running samples' versions change at a pause (streamed labels), read without waiting."""
 
     complete: bool
-    """Every output produced before the pause reached its sample (always True with engine-side labels)."""
+    """The front end's backlog could be read, so every mark is exact (always True with engine-side labels)."""
     backlog: int
     """Engine outputs still waiting in the front end's queue when the pause took effect (0 with engine-side
     labels, or when the installed vLLM has no such queue)."""
+    pending_tokens: int = 0
+    """Tokens produced before the pause that had not yet reached their samples (counted into the marks)."""
+    at: dict[str, int | None] | None = None
+    """Request -> the token count where its version changes (``VersionTracker.boundaries``); None: no marks."""
 
 
 class VersionLabels:
@@ -71,18 +74,21 @@ class VersionLabels:
         if self.engine_side:
             await llm.update_weight_version(str(version))
 
-    async def drain(self, llm: Any) -> Drain:
-        """While paused with streamed labels: let the front end deliver the pre-pause outputs, and say whether
-        it did and how far behind it was (nothing to do with engine-side labels)."""
+    def drain(self, llm: Any) -> Drain:
+        """While paused with streamed labels: read where each running sample's version changes, counting the
+        tokens the front end still holds (no wait; nothing to do with engine-side labels)."""
         if not self.streamed:
             return Drain(True, 0)
-        queue = getattr(getattr(llm, "engine_core", None), "outputs_queue", None)
-        backlog = queue.qsize() if isinstance(queue, asyncio.Queue) else 0
-        return Drain(await drain_frontend(llm), backlog)
+        backlog = frontend_backlog(llm)
+        at = self._tracker.boundaries(backlog)
+        if backlog is None:
+            return Drain(False, 0, 0, at)
+        return Drain(True, backlog.frames, backlog.tokens, at)
 
-    def mark_running(self, version: int) -> None:
-        """While still paused, once ``version`` is current: the running streamed samples' next tokens carry it."""
-        self._tracker.relabel_all(version)
+    def mark_running(self, version: int, drained: Drain) -> None:
+        """While still paused, once ``version`` is current: the running streamed samples' tokens from the pause
+        on carry it."""
+        self._tracker.relabel_all(version, drained.at)
 
     @staticmethod
     def span_versions(completion: Any, n_tokens: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import typing
 from collections.abc import Mapping
@@ -155,6 +156,18 @@ def is_hybrid(model_path: str) -> bool:
     return cfg.get("model_type") in HYBRID_MODEL_TYPES or "hybrid_override_pattern" in cfg
 
 
+OUTPUT_CHUNK_ENV = "VLLM_V1_OUTPUT_PROC_CHUNK_SIZE"
+"""Outputs of one engine step that vLLM's front end processes before it yields to other tasks (vLLM: 128)."""
+
+
+def output_chunk_size() -> int:
+    """The front end's chunk of outputs under this process's environment (vLLM's default 128)."""
+    try:
+        return int(os.environ.get(OUTPUT_CHUNK_ENV, "128"))
+    except ValueError:
+        return 128
+
+
 IMAGES_PER_PROMPT = 8
 """Most images one prompt of a vision-language model may bring (the seed's cap on image workers is 8 too)."""
 
@@ -290,6 +303,11 @@ def build_engine_options(cfg: VllmConfig, model_path: str, max_model_len: int,
     if kwargs is not None:
         applied_kwargs, dropped = merge_vllm_kwargs(kwargs, args, caps, max_model_len, on_cpu)
         ignored += dropped
+    seqs = int(args["max_num_seqs"])
+    if output_chunk_size() < seqs:  # one engine step's outputs processed whole (rollout.streamed.frontend_backlog)
+        env[OUTPUT_CHUNK_ENV] = str(seqs)
+        platform_args.append(f"env {OUTPUT_CHUNK_ENV}={seqs} (the front end processes one step's outputs between "
+                             f"two awaits, so a pause reads the streamed version marks whole)")
     for name in args:
         if name not in caps.engine_arg_names:
             key = arg_key.get(name, name)

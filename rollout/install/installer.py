@@ -55,7 +55,7 @@ class PauseBreakdown:
     settle_s: float = 0.0
     """A fixed wait after the pause (:attr:`PauseSettings.settle_s`; vLLM's ``pause_generation`` waits 20 ms)."""
     drain_s: float = 0.0
-    """Waiting for the front end to deliver the outputs produced before the pause (streamed labels only)."""
+    """Reading the front end's backlog for the version marks (streamed labels only; no wait)."""
     install_s: float = 0.0
     """The workers' install (reload, direct load or copy plan)."""
     label_s: float = 0.0
@@ -112,11 +112,15 @@ class InstallStats:
     """Installs whose prefix-cache reset was refused (blocks of running requests still in use); new requests are
     salted by version instead."""
     version_drain_incomplete: int = 0
-    """Installs where the front end had not delivered every pre-pause output in time (streamed labels)."""
+    """Installs whose version marks could not count the front end's backlog (streamed labels on a vLLM without
+    the output queue and collectors of rollout.streamed.frontend_backlog): samples the front end was behind on
+    have their mark late."""
     drain_complete_last: bool = True
-    """The last install's drain delivered every pre-pause output in time."""
+    """The last install counted the front end's backlog into its marks."""
     drain_backlog_last: int = 0
     """Outputs waiting in the front end's queue when the last pause took effect (streamed labels)."""
+    drain_pending_tokens_last: int = 0
+    """Tokens produced before the last pause that had not reached their samples (counted into the marks)."""
     phases_last: PauseBreakdown = field(default_factory=PauseBreakdown)
     """Where the last install's seconds went."""
     last_error: str = ""
@@ -281,9 +285,10 @@ class Installer:
             if settings.settle_s:
                 await asyncio.sleep(settings.settle_s)
                 times.settle_s = clock.lap()
-            drained = await self.labels.drain(llm)
+            drained = self.labels.drain(llm)  # no await since the pause returned: the backlog is read whole
             times.drain_s = clock.lap()
             self.stats.drain_backlog_last, self.stats.drain_complete_last = drained.backlog, drained.complete
+            self.stats.drain_pending_tokens_last = drained.pending_tokens
             if not drained.complete:
                 self.stats.version_drain_incomplete += 1
             try:
@@ -304,7 +309,7 @@ class Installer:
                 self.stats.last_error = self.broken
                 raise WeightUpdateError(f"rollout engine {self.engine_id}: {self.broken}") from exc
             self.version = version
-            self.labels.mark_running(version)  # still paused: the running samples' counts are final for v-1
+            self.labels.mark_running(version, drained)  # still paused: marks where each running sample's v began
             self.broken = ""
         finally:
             clock.lap()

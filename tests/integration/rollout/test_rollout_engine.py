@@ -14,6 +14,7 @@ from protocol import pack_buckets
 from rollout.rewards.registry import RewardFailure
 from services.data.tasks import make_prompts
 from rollout.install.weight_receiver import WeightUpdateError
+from rollout.options import OUTPUT_CHUNK_ENV
 
 from model_weights import model_tensors
 from rollout_engine_helpers import GROUP_SIZE, push_model
@@ -109,19 +110,35 @@ def test_push_changes_outputs_and_restoring_with_reset_is_bit_identical(harness,
           f"{stats['refit_bytes_total'] // stats['refits']} bytes per push")
 
 
-@pytest.mark.parametrize("recompute_kv,streamed", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("recompute_kv,streamed", [(False, False), (True, False), (False, True), (False, "behind")])
 def test_update_during_running_requests_splits_versions(harness, tiny_model_dir, tiny_model_dir_v2, recompute_kv,
                                                         streamed):
     """Tokens sampled before the pause carry v and match the old weights; the rest carry v+1.
 
     With the KV cache recomputed after the update, the v+1 tokens match a full
     forward of the new weights; with the old KV kept, they differ from the old weights.
-    ``streamed``: labels from streamed outputs (the path for a vLLM without engine labels)."""
+    ``streamed``: labels from streamed outputs (the path for a vLLM without engine labels); ``"behind"``: the
+    same with the front end behind the engine core when the pause takes effect: the last five engine outputs
+    before it still wait in the client's output queue, not yet taken by vLLM's output handler (on an
+    H100 the 0.25.1 queue was not empty 0.5 s into most pauses), so the marks must count their tokens."""
     engine = harness.engine
     engine_labels = engine.labels.streamed
     reqs = prompts(harness, 3, seed=11)
     old_max = engine.generation.max_new_tokens
     v = engine.version
+    core = engine.async_llm().engine_core
+    queue = core.outputs_queue
+
+    async def pause_behind(mode, clear_cache, pause=core.pause_scheduler_async):
+        held: list = []
+        queue.put_nowait = held.append  # the engine core samples on; its outputs stop short of the handler
+        deadline = time.monotonic() + 2.0
+        while len(held) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await pause(mode=mode, clear_cache=clear_cache)
+        del queue.put_nowait
+        queue._queue.extend(held)  # queued, the handler not woken: it takes them with the first output after
+        assert held, "no engine output came in 2 s"
 
     async def scenario():
         tasks = [asyncio.create_task(engine.generate_group(r, GROUP_SIZE)) for r in reqs]
@@ -130,18 +147,31 @@ def test_update_during_running_requests_splits_versions(harness, tiny_model_dir,
         await asyncio.sleep(0.5)  # let every sample produce some tokens under v
         manifest, buckets = pack_buckets(model_tensors(tiny_model_dir_v2), v + 1, 1 << 20)
         await engine.install(manifest, buckets)
+        if streamed == "behind":
+            queue._wakeup_next(queue._getters)  # the handler takes the held outputs even if no sample runs on
         return await asyncio.gather(*tasks)
 
     engine.generation.max_new_tokens = 400
     engine.installer.recompute_kv_cache_after_weight_updates = recompute_kv
-    engine.labels.streamed = streamed or engine_labels
+    engine.labels.streamed = bool(streamed) or engine_labels
+    if streamed == "behind":
+        core.pause_scheduler_async = pause_behind
     try:
         groups = harness.run(scenario())
+        installs = engine.installer.stats
+        complete, pending, queued = (installs.drain_complete_last, installs.drain_pending_tokens_last,
+                                     installs.drain_backlog_last)
     finally:
+        core.__dict__.pop("pause_scheduler_async", None)  # the client's own method again
         engine.generation.max_new_tokens = old_max
         engine.installer.recompute_kv_cache_after_weight_updates = False
         engine.labels.streamed = engine_labels
         push_model(harness, tiny_model_dir)
+    if streamed:
+        assert complete, "the front end's backlog was not read"
+    if streamed == "behind":
+        assert pending > 0, "the front end was not behind at the pause: nothing tested"
+        print(f"\nthe marks counted {pending} tokens the front end still held ({queued} queued engine outputs)")
     split = 0
     for request, group in zip(reqs, groups):
         assert len(group.trajectories) == GROUP_SIZE
@@ -267,7 +297,8 @@ def test_gpu_only_options_are_reported_ignored_on_cpu(harness):
     assert options.platform == "cpu"
     messages = [i.message(options.platform) for i in options.ignored]
     assert any(m.startswith("policy.generation.vllm_cfg.gpu_memory_utilization=0.5 ignored on cpu") for m in messages)
-    assert options.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cpu_env = {k: v for k, v in options.env.items() if k != OUTPUT_CHUNK_ENV}  # test_options checks that one
+    assert cpu_env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     names = [p.name() for p in psutil.Process().children(recursive=True)]
     assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names  # the worker is in the engine core
     harness.run(harness.engine.sleep())

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from rollout.config import VllmConfig
-from rollout.options import (CUDA_GRAPH_MODE, WORKER_EXTENSION, EngineOptionError, VllmCapabilities, build_engine_options,
-                             probe_vllm)
+from rollout.config import VllmConfig, VllmKwargs
+from rollout.options import (CUDA_GRAPH_MODE, OUTPUT_CHUNK_ENV, WORKER_EXTENSION, EngineOptionError, VllmCapabilities,
+                             build_engine_options, probe_vllm)
 
 ARGS = frozenset({"model", "tokenizer", "max_model_len", "seed", "dtype", "enforce_eager", "max_num_seqs",
                   "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
@@ -133,3 +133,19 @@ def test_tempered_sampling_asks_for_the_log_probs_of_the_sampled_distribution():
         opts = build_engine_options(GPU_RECIPE, "/m", 512, caps, tempered=tempered.tempered)
         assert opts.engine_args["logprobs_mode"] == "processed_logprobs"
         assert any("processed_logprobs" in line for line in opts.describe())
+
+
+def test_the_front_end_processes_a_whole_step_of_outputs_between_awaits(monkeypatch):
+    """Streamed version marks read the front end's backlog at a pause (rollout.streamed.frontend_backlog): vLLM's
+    output handler must not stop inside one step's outputs, so its chunk is raised to ``max_num_seqs``."""
+    monkeypatch.delenv(OUTPUT_CHUNK_ENV, raising=False)
+    for caps in (GPU, CPU):
+        opts = build_engine_options(GPU_RECIPE.model_copy(update={"max_num_seqs": 300}), "/m", 4096, caps)
+        assert opts.env[OUTPUT_CHUNK_ENV] == "300"
+        assert any(m.startswith(f"({caps.platform}) env {OUTPUT_CHUNK_ENV}=300") for m in opts.describe())
+        assert OUTPUT_CHUNK_ENV not in build_engine_options(GPU_RECIPE, "/m", 4096, caps).env  # 64 <= vLLM's 128
+    kwargs = VllmKwargs.model_validate({"max_num_seqs": 512})
+    assert build_engine_options(GPU_RECIPE, "/m", 4096, GPU, kwargs=kwargs).env[OUTPUT_CHUNK_ENV] == "512"
+    monkeypatch.setenv(OUTPUT_CHUNK_ENV, "1024")  # already large enough: left alone
+    assert OUTPUT_CHUNK_ENV not in build_engine_options(GPU_RECIPE.model_copy(update={"max_num_seqs": 300}), "/m",
+                                                        4096, GPU).env

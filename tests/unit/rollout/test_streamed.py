@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rollout.streamed import StreamedSample, VersionTracker, drain_frontend
+from rollout.streamed import StreamedSample, VersionTracker, frontend_backlog
 
 
 def delta(ids, text="", finish=None, logprobs=True):
@@ -36,14 +36,52 @@ def test_missing_logprobs_are_an_error():
         StreamedSample(0).add(delta([1, 2], logprobs=False))
 
 
-def test_drain_waits_for_the_output_queue_and_reports_a_missing_one():
-    async def scenario():
-        queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait("pending")
-        llm = SimpleNamespace(engine_core=SimpleNamespace(outputs_queue=queue))
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.01, queue.get_nowait)
-        drained = await drain_frontend(llm, limit_s=1.0)
-        queue.put_nowait("stuck")
-        return drained, await drain_frontend(llm, limit_s=0.01), await drain_frontend(SimpleNamespace())
-    assert asyncio.run(scenario()) == (True, False, False)
+def front_end(queued, collected):
+    """A paused ``AsyncLLM``'s front end as vLLM keeps it: engine outputs (``(internal id, new tokens)`` lists, or an
+    exception) in the client's output queue; per request (internal id -> (external id, tokens collected but not
+    taken by the consumer)) its state with its collector."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in queued:
+        outputs = [SimpleNamespace(request_id=rid, new_token_ids=[7] * n) for rid, n in item] \
+            if isinstance(item, list) else item
+        queue.put_nowait(SimpleNamespace(outputs=outputs) if isinstance(outputs, list) else outputs)
+    states = {internal: SimpleNamespace(external_req_id=external, queue=SimpleNamespace(
+        output=SimpleNamespace(outputs=[delta([7] * n)]) if n else None)) for internal, (external, n) in
+        collected.items()}
+    return SimpleNamespace(engine_core=SimpleNamespace(outputs_queue=queue),
+                           output_processor=SimpleNamespace(request_states=states))
+
+
+def test_the_backlog_counts_each_requests_tokens_in_the_queue_and_its_collector():
+    llm = front_end([[("a-1", 3), ("b-1", 1)], RuntimeError("engine died"), [("a-1", 1), ("gone-1", 5)]],
+                    {"a-1": ("a", 2), "b-1": ("b", 0)})
+    backlog = frontend_backlog(llm)
+    assert backlog is not None
+    assert backlog.pending == {"a": 6, "b": 1} and backlog.tokens == 7  # gone-1: no longer followed, not counted
+    assert backlog.frames == 2 and backlog.registered == {"a", "b"}
+    assert llm.engine_core.outputs_queue.qsize() == 3  # read, not taken
+    assert frontend_backlog(SimpleNamespace()) is None  # a vLLM keeping its outputs elsewhere
+
+
+def test_marks_fall_where_the_pause_cut_each_sample_whatever_the_front_end_still_held():
+    tracker = VersionTracker()
+    held, fresh, done, unregistered = (tracker.open(r, 3) for r in ("held", "fresh", "done", "unregistered"))
+    held.add(delta([1, 2]))
+    done.add(delta([1, 2, 3]))  # finished before the pause: the front end follows it no more
+    llm = front_end([[("held-1", 2), ("fresh-1", 1)]], {"held-1": ("held", 1), "fresh-1": ("fresh", 0)})
+    at = tracker.boundaries(frontend_backlog(llm))
+    assert at == {"held": 5, "fresh": 1, "done": None, "unregistered": 0}
+    held.add(delta([3, 4, 5, 6]))  # the backlog (3 tokens) and one token after the pause reach the sample
+    late = tracker.open("late", 3)  # a request opened after the marks were read
+    assert tracker.relabel_all(4, at) == 4  # every running sample but the finished one
+    fresh.add(delta([1, 2]))
+    done.add(delta([], finish="stop"))
+    late.add(delta([9]))
+    assert held.versions().tolist() == [3, 3, 3, 3, 3, 4]
+    assert fresh.versions().tolist() == [3, 4] and done.versions().tolist() == [3, 3, 3]
+    assert late.versions().tolist() == [4]
+    unregistered.add(delta([8]))
+    assert unregistered.versions().tolist() == [4]
+    assert tracker.boundaries(None) == {r: len(s.token_ids) for r, s in
+                                        (("held", held), ("fresh", fresh), ("done", done),
+                                         ("unregistered", unregistered), ("late", late))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -226,7 +227,10 @@ def test_vllms_own_order_is_a_setting_a_fixed_settle_and_the_prefix_reset_inside
     assert 0.02 <= t.settle_s < 0.045 and t.paused_s >= t.prefix_reset_s + t.settle_s + t.install_s
 
 
-def test_a_drain_that_runs_out_is_counted_with_the_backlog_it_met():
+def test_streamed_marks_count_the_front_ends_backlog_without_waiting_for_it():
+    """The front end is behind: two engine outputs of the running sample wait in the client's queue, which nothing
+    consumes during the install. The install still completes, marks the sample where the pause cut it (its
+    tokens plus the queued ones) and leaves the queue to the front end."""
     class Core:
         outputs_queue: asyncio.Queue
 
@@ -236,16 +240,24 @@ def test_a_drain_that_runs_out_is_counted_with_the_backlog_it_met():
     async def scenario():
         core = Core()
         core.outputs_queue = asyncio.Queue()
-        for item in ("a", "b", "c"):
-            core.outputs_queue.put_nowait(item)  # the front end never takes them
+        for n in (2, 3):
+            core.outputs_queue.put_nowait(SimpleNamespace(outputs=[SimpleNamespace(request_id="r-7",
+                                                                                   new_token_ids=[1] * n)]))
         llm = FakeLLM()
         llm.engine_core = core  # pyright: ignore[reportAttributeAccessIssue]
+        llm.output_processor = SimpleNamespace(  # pyright: ignore[reportAttributeAccessIssue]
+            request_states={"r-7": SimpleNamespace(external_req_id="r", queue=SimpleNamespace(output=None))})
         inst = installer(engine_side=False)
+        running = inst.labels.open("r", 2)
+        assert running is not None
+        running.token_ids += [5, 6]
         await inst.install(llm, *push(3))
-        return inst.stats
-    stats = asyncio.run(scenario())
-    assert stats.version_drain_incomplete == 1 and not stats.drain_complete_last and stats.drain_backlog_last == 3
-    assert stats.phases_last.drain_s >= 0.5  # rollout.streamed.DRAIN_LIMIT_S
+        return inst.stats, running, core.outputs_queue.qsize()
+    stats, running, still_queued = asyncio.run(scenario())
+    assert stats.drain_complete_last and stats.version_drain_incomplete == 0
+    assert stats.drain_backlog_last == 2 and stats.drain_pending_tokens_last == 5 and still_queued == 2
+    running.token_ids += [0] * 6  # the 5 queued tokens arrive, then one sampled after the pause
+    assert running.versions().tolist() == [2] * 7 + [3]
 
 
 def test_a_cuda_ipc_push_is_mapped_checked_and_installed_and_a_rejected_one_is_let_go():
