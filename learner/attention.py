@@ -16,9 +16,10 @@ Megatron's local layer spec builds as ``core_attention`` (``DotProductAttention`
   boundaries — the reference the others are tested against, and the "before" of the GPU bench (``[T, T]``
   scores per head: quadratic memory).
 
-``auto`` is ``sdpa``: on one H200 (Qwen3-0.6B shape, bf16) it trained at 1.06–1.35× the tokens/s of compiled
-flex at every packing budget from 4K to 32K tokens (docs/benchmarks.md). Which runs where and why:
-docs/learner.md, "Packing".
+``auto`` is ``sdpa_batched`` on a GPU and ``sdpa`` on the CPU: on one H100 (Qwen3-0.6B shape, bf16, ~16
+sequences per micro-batch) ``sdpa_batched`` trained at 1.31× / 1.59× the tokens/s of ``sdpa`` at 4K / 8K-token
+budgets, where ``sdpa`` was already 1.06–1.35× compiled flex (H200); on 2 CPU cores it ran at 0.96× ``sdpa``
+(docs/benchmarks.md). Which runs where and why: docs/learner.md, "Packing".
 """
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ AttentionBackend = Literal["auto", "flex", "sdpa", "sdpa_batched", "local"]
 ResolvedBackend = Literal["flex", "sdpa", "sdpa_batched", "local"]
 
 
-def resolve_backend(backend: AttentionBackend) -> ResolvedBackend:
-    """``backend`` with ``auto`` made concrete: ``sdpa`` (module docstring)."""
-    return "sdpa" if backend == "auto" else backend
+def resolve_backend(backend: AttentionBackend, on_gpu: bool) -> ResolvedBackend:
+    """``backend`` with ``auto`` made concrete: ``sdpa_batched`` on a GPU, ``sdpa`` on the CPU (module docstring)."""
+    if backend != "auto":
+        return backend
+    return "sdpa_batched" if on_gpu else "sdpa"
 
 
 @dataclass

@@ -81,7 +81,7 @@ class MegatronConfig(ConfigModel):
     """Core attention over packed rows (:mod:`learner.attention`): ``flex`` (flex_attention, document mask),
     ``sdpa`` (SDPA per sequence), ``sdpa_batched`` (SDPA per bucket of similar lengths, right-padded), ``local``
     (Megatron's DotProductAttention under a dense ``[T, T]`` mask: quadratic memory, for comparison); ``auto``:
-    sdpa (the fastest on an H200, docs/benchmarks.md)."""
+    sdpa_batched on a GPU (the fastest there: fewer kernel launches), sdpa on the CPU (docs/benchmarks.md)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Positions per chunk of the output layer + log-prob + entropy (NeMo-RL's ``policy.logprob_chunk_size``):
     the fp32 logits of one chunk exist at a time, forward and backward (the chunk's logits are recomputed in

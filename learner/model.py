@@ -254,7 +254,8 @@ def build_gpt_model(arch: HFArchitecture, megatron: MegatronConfig,
         from learner.grouped_experts import GroupedExperts
         spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)  # pyright: ignore[reportAttributeAccessIssue]
     attention = spec.submodules.self_attention.submodules  # pyright: ignore[reportAttributeAccessIssue]
-    attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend))
+    attention.core_attention = core_attention_class(resolve_backend(megatron.attention_backend,
+                                                                    on_gpu=torch.cuda.is_available()))
     pp = megatron.pipeline_model_parallel_size
     if pp > 1 and (arch.hybrid is not None or arch.vision is not None):
         kind = "hybrid" if arch.hybrid is not None else "vision-language"
