@@ -269,7 +269,7 @@ K)
   grep -m3 -i "placement\|GPUs" "$OUT/async_one_gpu.log" | cut -c1-600
   ;;
 L)
-  SYNC="--recipe recipes/gpu-1xh200-sync.yaml --steps 4 policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false \
+  SYNC="--recipe recipes/gpu-1xh200-sync.yaml --steps ${STEPS:-4} policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false \
     checkpointing.enabled=false"
   step colocated_sync_object_store 290 $PY -m services.cli run $SYNC --run-dir "$OUT/sync_object_store"
   step colocated_sync_cuda_ipc 270 $PY -m services.cli run $SYNC policy.refit_transport=cuda_ipc \
@@ -277,14 +277,14 @@ L)
   for d in sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   ;;
 M)
-  ONE="--steps 5 policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
+  ONE="--steps ${STEPS:-5} policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
   step async_one_gpu 290 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml $ONE \
     --run-dir "$OUT/async_one_gpu"
   step colocated_sync 250 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
     --run-dir "$OUT/colocated_sync"
   for d in async_one_gpu colocated_sync; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   if [ -f "$OUT/async_one_gpu_metrics.jsonl" ] && [ -f "$OUT/colocated_sync_metrics.jsonl" ]; then
-    $PY bench/step_breakdown.py --steps 5 --out "$OUT/step_breakdown_h200_one_gpu.json" \
+    $PY bench/step_breakdown.py --steps ${STEPS:-5} --out "$OUT/step_breakdown_h200_one_gpu.json" \
       --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
   fi
   ;;

@@ -78,9 +78,9 @@ class PoolMetrics:
             "receive before the pause; pause, settle, drain, install, label, resume and paused in all inside it; "
             "prefix_reset after it; total)", ["phase"], registry=r)
         self.version_drain_incomplete = Counter(
-            "inflight_version_drain_incomplete", "In-flight installs where the front end had not delivered every "
-            "output produced before the pause within the drain bound, so streamed version labels may be off by "
-            "those tokens (should stay 0)", registry=r)
+            "inflight_version_drain_incomplete", "In-flight installs whose streamed version marks could not count "
+            "the tokens vLLM's front end still held at the pause (a vLLM keeping its output queue elsewhere), so "
+            "those tokens may carry the new version (should stay 0)", registry=r)
         self.weight_installs = Counter(
             "inflight_weight_installs", "Collective pushes installed per engine, by path (reload: vLLM's layerwise "
             "reload_weights; direct: plain load_weights, proven equal; copy: the proven copy plan; checked: "

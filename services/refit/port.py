@@ -51,7 +51,7 @@ class RefitMetrics(Protocol):
     weight_installs: Counter
     """Installs of a push the workers held, labelled ``path``."""
     version_drain_incomplete: Counter
-    """Installs whose front end had not delivered every pre-pause output in time."""
+    """Installs whose streamed version marks could not count the front end's pre-pause backlog."""
 
 
 class PoolPort(Protocol):

@@ -65,7 +65,7 @@ class GroupInstall:
     install_s: float
     install_path: str
     drain_complete: bool = True
-    """The front end delivered every pre-pause output in time (streamed labels; see
+    """The streamed version marks counted every pre-pause token the front end still held (see
     ``inflight_version_drain_incomplete``)."""
     phases: PauseBreakdown | None = None
 
