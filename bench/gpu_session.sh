@@ -29,6 +29,7 @@
 #   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
+#   bash bench/gpu_session.sh W   # M's async run, then L's two colocated runs, STEPS (6) steps each, in one call
 #   bash bench/gpu_session.sh MP  # M's async run alone, the learner rank's stacks recorded over warm steps (py-spy)
 #   bash bench/gpu_session.sh V   # attention sdpa vs sdpa_batched: bench/learner_step.py at the loop's shape, then
 #                                 # MP's run with sdpa_batched, profiled the same way
@@ -169,7 +170,7 @@ profile_rank() {  # profile_rank TAG RUN_DIR SECONDS: once RUN_DIR has a step's 
     py-spy record --pid "$pid" --duration "$3" --rate 100 --format raw --nonblocking -o "$OUT/profile_$1.txt"
   ) > "$OUT/profile_$1.log" 2>&1 &
 }
-case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; MP|V) build $dense qwen2 0.6b ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; MP|V|W) build $dense qwen2 0.6b ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -287,6 +288,17 @@ M)
     $PY bench/step_breakdown.py --steps ${STEPS:-5} --out "$OUT/step_breakdown_h200_one_gpu.json" \
       --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
   fi
+  ;;
+W)  # M and L in one call: the async one-GPU run, then the colocated sync loop with the object store and with CUDA
+  # IPC (the async/sync ratio, and the colocated CUDA IPC goal of issue 21 with its exposed generation), STEPS each
+  ONE="--steps ${STEPS:-6} policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
+  step async_one_gpu 170 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml $ONE \
+    --run-dir "$OUT/async_one_gpu"
+  step sync_object_store 190 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
+    --run-dir "$OUT/sync_object_store"
+  step sync_cuda_ipc 190 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
+    policy.refit_transport=cuda_ipc --run-dir "$OUT/sync_cuda_ipc"
+  for d in async_one_gpu sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   ;;
 MP)  # the async one-GPU run of M alone, its learner rank profiled over warm steps (issue 35: loop vs bench)
   profile_rank async_one_gpu "$OUT/async_one_gpu" 25
