@@ -80,12 +80,13 @@ def test_reasoning_comes_apart_from_the_answer(served):
         for c in chunk.choices:
             for key in streamed:
                 streamed[key] += (c.delta.content if key == "content" else c.delta.model_extra.get(key)) or ""
-    # vLLM's streamed granite parser may leave the start of the response mark in the reasoning (" doliir Here "),
-    # and drops what follows the thought mark within one delta: a busy engine merges tokens into one delta (its
-    # output collector), so the streamed thought may lose its first letters (it was "r " in a fresh-clone CI run).
+    # vLLM's streamed granite parser cuts the marks by delta: a busy engine merges tokens into one delta (its output
+    # collector), and then the streamed thought may lose its first letters ("r " for a longer thought) or keep the
+    # tail of a mark around it ("ss: repeat Here" for " repeat "; both seen in fresh-clone CI runs beside the other
+    # xdist worker). So one streamed word must be the thought, or its end.
     assert streamed["reasoning"] == streamed["reasoning_content"], streamed
     streamed_thought = streamed["reasoning"].split()
-    assert streamed_thought and thought.strip().endswith(streamed_thought[0]), (thought, streamed)
+    assert any(thought.strip().endswith(word) for word in streamed_thought), (thought, streamed)
     assert streamed["content"] == message.content, (message, streamed)  # the same answer, apart from the thought
 
 
