@@ -29,7 +29,7 @@
 #   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
-#   bash bench/gpu_session.sh W   # M's async run, then L's two colocated runs, STEPS (6) steps each, in one call
+#   bash bench/gpu_session.sh W   # M's async run, then L's two colocated runs (CUDA IPC first), STEPS (6) each
 #   bash bench/gpu_session.sh MP  # M's async run alone, the learner rank's stacks recorded over warm steps (py-spy)
 #   bash bench/gpu_session.sh V   # attention sdpa vs sdpa_batched: bench/learner_step.py at the loop's shape, then
 #                                 # MP's run with sdpa_batched, profiled the same way
@@ -289,15 +289,15 @@ M)
       --metrics sync="$OUT/colocated_sync_metrics.jsonl" --metrics async="$OUT/async_one_gpu_metrics.jsonl"
   fi
   ;;
-W)  # M and L in one call: the async one-GPU run, then the colocated sync loop with the object store and with CUDA
-  # IPC (the async/sync ratio, and the colocated CUDA IPC goal of issue 21 with its exposed generation), STEPS each
+W)  # M and L in one call: the async one-GPU run, then the colocated sync loop with CUDA IPC and with the object
+  # store (the async/sync ratio, and the colocated CUDA IPC goal of issue 21 with its exposed generation), STEPS each
   ONE="--steps ${STEPS:-6} policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
   step async_one_gpu 170 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml $ONE \
     --run-dir "$OUT/async_one_gpu"
-  step sync_object_store 190 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
-    --run-dir "$OUT/sync_object_store"
   step sync_cuda_ipc 190 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
     policy.refit_transport=cuda_ipc --run-dir "$OUT/sync_cuda_ipc"
+  step sync_object_store 190 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
+    --run-dir "$OUT/sync_object_store"
   for d in async_one_gpu sync_object_store sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
   ;;
 MP)  # the async one-GPU run of M alone, its learner rank profiled over warm steps (issue 35: loop vs bench)
