@@ -43,9 +43,9 @@ class StreamedSample:
         self.text.append(completion.text)
         self.finish_reason = completion.finish_reason
 
-    def relabel(self, version: int, at: int | None = None) -> None:
-        """Tokens from count ``at`` on (default: from the next one) carry ``version``."""
-        self.marks.append((len(self.token_ids) if at is None else at, version))
+    def relabel(self, version: int, at: int) -> None:
+        """Tokens from count ``at`` on carry ``version``."""
+        self.marks.append((at, version))
 
     def versions(self) -> np.ndarray:
         """One version per token."""
@@ -82,7 +82,7 @@ class VersionTracker:
         pause; a sample opened since: from its next token) carry ``version``. Returns how many were marked."""
         marked = 0
         for request_id, sample in self._live.items():
-            count = at.get(request_id, len(sample.token_ids)) if at is not None else len(sample.token_ids)
+            count = (at or {}).get(request_id, len(sample.token_ids))
             if count is not None:
                 sample.relabel(version, count)
                 marked += 1
