@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from ray import serve
@@ -48,6 +48,7 @@ from services.pool.openai_api import (
     rollout_key_secret,
 )
 from services.pool.status_page import StepHistory, TokenRates, render_page, security_headers
+from services.pool.streaming import ClosingStreamingResponse
 from services.pool.watcher import HealthWatcher
 from services.recipe.config import Recipe
 from services.refit.collective import GroupPlan, WeightGroup
@@ -371,7 +372,8 @@ class RolloutPool:
                 else:  # stopped in the engine too
                     self._hang_up(chunks, outcome)
 
-        return StreamingResponse(relay(), status_code=head.status, media_type="text/event-stream", headers=headers)
+        return ClosingStreamingResponse(relay(), status_code=head.status, media_type="text/event-stream",
+                                        headers=headers)
 
     def _hang_up(self, chunks: Any, outcome: ChatOutcome) -> None:
         """Give a chat request's place back and cancel its engine call (None: it was never made): the engine's
