@@ -33,8 +33,8 @@ test-unit: setup
 		--durations-out test-durations/unit.json $(BUDGETS) tests/unit
 
 test-integration: setup
-	$(PY) -m pytest -n $(INTEGRATION_WORKERS) --dist loadgroup -m "not gpu and not slow" --durations=30 \
-		--durations-out test-durations/integration.json $(BUDGETS) tests/integration
+	$(PY) -m pytest -n $(INTEGRATION_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not gpu and not slow" \
+		--durations=30 --durations-out test-durations/integration.json $(BUDGETS) tests/integration
 
 test-all: setup
 	$(PY) -m pytest tests

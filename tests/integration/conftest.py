@@ -3,10 +3,12 @@
 Each worker is a session of its own (its own Ray cluster, pools and engines), so tests that share a session stack
 must run on one worker, and a module's tests on one worker (module-scoped pools). Every integration module gets
 one ``xdist_group``: the shared stack any of its tests uses (:data:`SHARED_STACKS`), else the module itself.
-Without xdist the marks change nothing: the tests run in file order.
+The groups start longest first (:data:`MODULE_SECONDS`), so no long module is left to run alone at the end; a
+module's tests keep their file order. Without xdist the marks change nothing.
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +18,9 @@ SHARED_STACKS = ("harness", "served", "data_pool")
 """Session fixtures of a stack several modules share (rollout/conftest.py's engine, services/conftest.py's
 OpenAI-serving pool and data pool), in the order a module that uses several is grouped by."""
 HERE = Path(__file__).resolve().parent
+MODULE_SECONDS = HERE / "module_seconds.json"
+"""Each module's seconds in one run of the tier (``test-durations/integration.json``'s ``modules``, copied; refresh
+it when modules change a lot). Only the order the groups start in depends on it; a module it lacks counts as 0 s."""
 
 
 def group_of(fixtures_by_module: dict[str, set[str]], module: str) -> str:
@@ -30,5 +35,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fixtures: defaultdict[str, set[str]] = defaultdict(set)
     for item in mine:
         fixtures[item.nodeid.split("::", 1)[0]].update(getattr(item, "fixturenames", ()))
+    groups = {module: group_of(fixtures, module) for module in fixtures}
     for item in mine:
-        item.add_marker(pytest.mark.xdist_group(group_of(fixtures, item.nodeid.split("::", 1)[0])))
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::", 1)[0]]))
+    seconds = json.loads(MODULE_SECONDS.read_text())
+    group_seconds: defaultdict[str, float] = defaultdict(float)
+    for module, group in groups.items():
+        group_seconds[group] += seconds.get(module, 0.0)
+    first_seen = {group: i for i, group in reversed(list(enumerate(groups.values())))}
+    rank = {}
+    for item in mine:
+        group = groups[item.nodeid.split("::", 1)[0]]
+        rank[id(item)] = (-group_seconds[group], first_seen[group])
+    # items of other directories first, as they were; then the groups, longest first, each in collection order
+    items[:] = sorted(items, key=lambda item: (id(item) in rank, rank.get(id(item), (0.0, 0))))
