@@ -237,6 +237,10 @@ class LearnerJob:
             row["refit_install_s"] = refit.install_seconds_max
         if refit and refit.transport:
             row["refit_transport"] = refit.transport
+        if refit:  # refit_s less these two: the learner's calls around them (plan, release, Ray's round trips)
+            row["refit_pool_s"] = refit.seconds
+            if refit.send_seconds is not None:
+                row["refit_send_s"] = refit.send_seconds
         if refit and refit.phases is not None:  # where the push's seconds went (rollout.install's PauseBreakdown)
             row.update({f"refit_phase_{k}": v for k, v in asdict(refit.phases).items()})
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))

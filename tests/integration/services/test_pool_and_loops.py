@@ -153,6 +153,7 @@ def test_async_run_with_collective_refit(pool, tmp_path):
     assert all(r["gen_kl_error"] < 1.5e-3 for r in got)                   # what the engine installed is v
     assert all(r["parity_max_abs_logprob_diff"] < 1e-3 for r in got)
     assert all(r["refit_bytes"] > 0 and r["refit_pause_s"] >= r["refit_install_s"] > 0 for r in got)
+    assert all(0 < r["refit_send_s"] < r["refit_s"] and 0 < r["refit_pool_s"] < r["refit_s"] for r in got)
     status = httpx.get(f"{url}/v1/status", timeout=10).json()
     assert status["version"] == 3 and all(e["version"] == 3 for e in status["engines"].values())
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
