@@ -29,7 +29,7 @@
 #   bash bench/gpu_session.sh M   # async on one GPU (recipes/gpu-1xh200-async.yaml: engine and learner side by
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
-#   bash bench/gpu_session.sh W   # M's async run, then L's two colocated runs (CUDA IPC first), STEPS (6) each
+#   bash bench/gpu_session.sh W   # M's async run, then L's colocated run with CUDA IPC, STEPS (6) steps each
 #   bash bench/gpu_session.sh MP  # M's async run alone, the learner rank's stacks recorded over warm steps (py-spy)
 #   bash bench/gpu_session.sh V   # attention sdpa vs sdpa_batched: bench/learner_step.py at the loop's shape, then
 #                                 # MP's run with sdpa_batched, profiled the same way

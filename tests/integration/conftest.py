@@ -34,18 +34,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = [item for item in items if HERE in Path(item.path).resolve().parents]
     fixtures: defaultdict[str, set[str]] = defaultdict(set)
     for item in mine:
-        fixtures[item.nodeid.split("::", 1)[0]].update(getattr(item, "fixturenames", ()))
-    groups = {module: group_of(fixtures, module) for module in fixtures}
+        fixtures[module_of(item)].update(getattr(item, "fixturenames", ()))
+    groups = {module: group_of(fixtures, module) for module in fixtures}  # in collection order
     for item in mine:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::", 1)[0]]))
+        item.add_marker(pytest.mark.xdist_group(groups[module_of(item)]))
     seconds = json.loads(MODULE_SECONDS.read_text())
     group_seconds: defaultdict[str, float] = defaultdict(float)
     for module, group in groups.items():
         group_seconds[group] += seconds.get(module, 0.0)
-    first_seen = {group: i for i, group in reversed(list(enumerate(groups.values())))}
-    rank = {}
-    for item in mine:
-        group = groups[item.nodeid.split("::", 1)[0]]
-        rank[id(item)] = (-group_seconds[group], first_seen[group])
+    collected = {group: i for i, group in enumerate(dict.fromkeys(groups.values()))}
+    rank = {module: (-group_seconds[group], collected[group]) for module, group in groups.items()}
+    ours = set(map(id, mine))
     # items of other directories first, as they were; then the groups, longest first, each in collection order
-    items[:] = sorted(items, key=lambda item: (id(item) in rank, rank.get(id(item), (0.0, 0))))
+    items[:] = sorted(items, key=lambda item: (True, *rank[module_of(item)]) if id(item) in ours else (False,))
+
+
+def module_of(item: pytest.Item) -> str:
+    """The path of ``item``'s module as its node id starts."""
+    return item.nodeid.split("::", 1)[0]
