@@ -30,6 +30,8 @@
 #                                 # side, CUDA IPC refit), then the colocated sync recipe, same shape, 5 steps
 #                                 # each; their step times compared (bench/step_breakdown.py --metrics)
 #   bash bench/gpu_session.sh W   # M's async run, then L's colocated run with CUDA IPC, STEPS (6) steps each
+#   bash bench/gpu_session.sh X   # the CUDA IPC pack beside a busy GPU, eager vs CUDA graph
+#                                 # (bench/ipc_export_contention.py), its GPU test, then W's async run packing eagerly
 #   bash bench/gpu_session.sh MP  # M's async run alone, the learner rank's stacks recorded over warm steps (py-spy)
 #   bash bench/gpu_session.sh V   # attention sdpa vs sdpa_batched: bench/learner_step.py at the loop's shape, then
 #                                 # MP's run with sdpa_batched, profiled the same way
@@ -170,7 +172,7 @@ profile_rank() {  # profile_rank TAG RUN_DIR SECONDS: once RUN_DIR has a step's 
     py-spy record --pid "$pid" --duration "$3" --rate 100 --format raw --nonblocking -o "$OUT/profile_$1.txt"
   ) > "$OUT/profile_$1.log" 2>&1 &
 }
-case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; MP|V|W) build $dense qwen2 0.6b ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
+case $PHASE in K|N|O|P|Q|BG|BGW|S) ;; MP|V|W|X) build $dense qwen2 0.6b ;; RS) build $moe qwen3_moe small ;; M) build $dense qwen2 0.6b ;; R) build $moe qwen3_moe small ;; *) build $dense qwen2 0.6b; build $moe qwen3_moe small ;; esac
 SHAPE="policy.max_total_sequence_length=512 policy.generation.max_new_tokens=256 policy.sequence_packing.train_mb_tokens=4096"
 
 case $PHASE in
@@ -298,6 +300,16 @@ W)  # the async one-GPU run and the colocated sync loop with CUDA IPC (the pause
   step sync_cuda_ipc 220 $PY -m services.cli run --recipe recipes/gpu-1xh200-sync.yaml $ONE \
     policy.refit_transport=cuda_ipc --run-dir "$OUT/sync_cuda_ipc"
   for d in async_one_gpu sync_cuda_ipc; do cp "$OUT/$d/metrics.jsonl" "$OUT/${d}_metrics.jsonl" 2>/dev/null; done
+  ;;
+X)  # the CUDA IPC pack beside a busy GPU, eager vs one CUDA graph replay (bench/ipc_export_contention.py), the
+  # graph pack's GPU test, then W's async run with the eager pack (policy.refit_cuda_graph=false: the before of W)
+  step ipc_export_contention 150 $PY bench/ipc_export_contention.py --shape qwen3-0.6b --reps 6 \
+    --out "$OUT/ipc_export_contention.json"
+  step ipc_graph_gpu_test 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/integration/learner/test_ipc_graph_gpu.py
+  ONE="--steps ${STEPS:-6} policy.model_name=$dense $SHAPE logger.tensorboard_enabled=false checkpointing.enabled=false"
+  step async_one_gpu_eager_pack 250 $PY -m services.cli run --recipe recipes/gpu-1xh200-async.yaml $ONE \
+    policy.refit_cuda_graph=false --run-dir "$OUT/async_one_gpu_eager_pack"
+  cp "$OUT/async_one_gpu_eager_pack/metrics.jsonl" "$OUT/async_one_gpu_eager_pack_metrics.jsonl" 2>/dev/null
   ;;
 MP)  # the async one-GPU run of M alone, its learner rank profiled over warm steps (issue 35: loop vs bench)
   profile_rank async_one_gpu "$OUT/async_one_gpu" 25

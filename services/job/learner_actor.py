@@ -167,23 +167,25 @@ class LearnerActor:
 
         return gpu_uuid(self.learner.device)
 
-    def export_ipc(self, bucket_bytes: int) -> IpcExport | None:
+    def export_ipc(self, bucket_bytes: int, cuda_graph: bool) -> IpcExport | None:
         """Rank 0: this version's HF tensors packed into buckets on its GPU, shared through CUDA IPC; returns
         the manifest and the wire form of each share, and keeps the buckets until :meth:`release_ipc`.
+        ``cuda_graph``: pack by one CUDA graph replay where the learner can (one GPU; ``learner.ipc_graph``).
         Collective (every rank takes part in the gather); other ranks return None."""
         from learner.ipc_export import IpcExporter
 
-        tensors = self.learner.export_weight_tensors()
-        if self.rank != 0 or tensors is None:
-            return None
         if self._ipc is None:
             self._ipc = IpcExporter()
-        manifest, shares = self._ipc.export(self.learner.policy_version, tensors, bucket_bytes)
+        exported = self._ipc.export_learner(self.learner, self.world_size, bucket_bytes, cuda_graph)
+        if exported is None:
+            return None
+        manifest, shares = exported
         return IpcExport(encode(manifest), [s.to_wire() for s in shares])
 
-    def release_ipc(self) -> int:
-        """Rank 0: free the buckets of every exported version (the engines answered); returns the bytes."""
-        return self._ipc.release() if self._ipc is not None else 0
+    def release_ipc(self, failed: bool) -> int:
+        """Rank 0: free the buckets of every exported version (the engines answered; ``failed``: not all
+        installed it, so the next export packs into new buckets); returns the bytes."""
+        return self._ipc.release(failed=failed) if self._ipc is not None else 0
 
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                  images: list | None = None) -> list[list[float]]:
@@ -338,11 +340,11 @@ class LearnerGroup:
     def gpu_uuid(self) -> str:
         return self.wait([a.gpu_uuid.remote() for a in self.actors], "gpu_uuid")
 
-    def export_ipc(self, bucket_bytes: int) -> IpcExport:
-        return self.wait([a.export_ipc.remote(bucket_bytes) for a in self.actors], "export_ipc")
+    def export_ipc(self, bucket_bytes: int, cuda_graph: bool) -> IpcExport:
+        return self.wait([a.export_ipc.remote(bucket_bytes, cuda_graph) for a in self.actors], "export_ipc")
 
-    def release_ipc(self) -> int:
-        return self.wait([a.release_ipc.remote() for a in self.actors], "release_ipc")
+    def release_ipc(self, failed: bool) -> int:
+        return self.wait([a.release_ipc.remote(failed) for a in self.actors], "release_ipc")
 
     def wait(self, refs: list, method: str) -> Any:
         """Rank 0's answer to a call started on every rank (``refs``, rank 0 first), within the call timeout."""

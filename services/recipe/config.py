@@ -94,6 +94,12 @@ class PolicyConfig(PolicyStepKeys):
     rank 0's GPU (colocated on one GPU): rank 0 packs device-checksummed buckets on its GPU and the engine
     maps them through CUDA IPC handles and installs straight from them (no host copy); where no single
     engine runs on that GPU alone (CPU, more GPUs or engines), each push goes through the object store."""
+    refit_cuda_graph: bool = True
+    """``cuda_ipc`` with a learner of one GPU (no vision tower): pack each push by replaying one CUDA graph,
+    captured at the first push, instead of a few hundred kernels launched one by one -- which wait for the
+    GPU's time slices while an engine generates on the same GPU (async on one GPU). The graph's buckets stay
+    allocated: one more copy of the weights in the learner's memory. ``false``: pack eagerly, buckets freed
+    after each push."""
     refit_timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
     """Deadline of one weight push, for fetching its buckets and again for installing them on the engines; a push
     that misses it is rejected as a whole (the old version keeps serving). Separate from the per-sample

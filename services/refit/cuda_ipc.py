@@ -91,6 +91,7 @@ class CudaIpcRefit:
         """``pool``: the pool's DeploymentHandle."""
         self.pool, self.learner = IpcCalls(pool), learner
         self.bucket_bytes = recipe.policy.refit_bucket_mb * 1024 * 1024
+        self.cuda_graph = recipe.policy.refit_cuda_graph
         self.timeout_s = recipe.policy.refit_timeout_s
         self.fallback = ObjectStoreRefit(recipe, pool, learner)
         self.last_transport = ""
@@ -109,12 +110,14 @@ class CudaIpcRefit:
             self.last_transport = "object_store"
             return self.fallback.push(reset)
         started = time.perf_counter()
-        exported = self.learner.export_ipc(self.bucket_bytes)
+        exported = self.learner.export_ipc(self.bucket_bytes, self.cuda_graph)
         export_seconds = time.perf_counter() - started
+        installed = False
         try:
             out = self.pool.install(exported.manifest_bytes, exported.shares, self._gpu, reset, self.timeout_s)
+            installed = True
         finally:
-            self.learner.release_ipc()  # every engine has answered, or given up: nothing maps them now
+            self.learner.release_ipc(failed=not installed)  # every engine has answered, or given up
         self.last_transport, self._fallback_reason = "cuda_ipc", ""
         return dataclasses.replace(out, send_seconds=export_seconds)
 

@@ -76,10 +76,12 @@ class LearnerPort(Protocol):
         """The UUID of rank 0's GPU ('' on CPU)."""
         ...
 
-    def export_ipc(self, bucket_bytes: int) -> IpcExport:
-        """This version's HF tensors packed into buckets on rank 0's GPU, shared through CUDA IPC."""
+    def export_ipc(self, bucket_bytes: int, cuda_graph: bool) -> IpcExport:
+        """This version's HF tensors packed into buckets on rank 0's GPU, shared through CUDA IPC
+        (``cuda_graph``: by one CUDA graph replay where the learner can)."""
         ...
 
-    def release_ipc(self) -> int:
-        """Free the exported buckets (the engines answered); returns their bytes."""
+    def release_ipc(self, failed: bool) -> int:
+        """Free the exported buckets (the engines answered; ``failed``: not every one installed them);
+        returns their bytes."""
         ...

@@ -101,16 +101,16 @@ class _Learner:
         self.calls.append("gpu_uuid")
         return self.gpu
 
-    def export_ipc(self, bucket_bytes):
-        self.calls.append("export_ipc")
+    def export_ipc(self, bucket_bytes, cuda_graph):
+        self.calls.append(f"export_ipc graph={cuda_graph}")
         return IpcExport(b"manifest", [["share"]])
 
     def export_weights(self, bucket_bytes):
         self.calls.append("export_weights")
         return ExportedWeights(b"manifest", ["ref"])
 
-    def release_ipc(self):
-        self.calls.append("release_ipc")
+    def release_ipc(self, failed):
+        self.calls.append(f"release_ipc failed={failed}")
         return 10
 
 
@@ -122,12 +122,20 @@ def test_the_learner_shares_its_buckets_and_frees_them_after_the_pools_answer_ev
     out = refit.push(reset=True)
     assert out.transport == "cuda_ipc" and out.send_seconds is not None
     assert pool.pushed == [(b"manifest", [["share"]], "GPU-a", True)]
-    assert learner.calls == ["gpu_uuid", "export_ipc", "release_ipc"]
+    assert learner.calls == ["gpu_uuid", "export_ipc graph=True", "release_ipc failed=False"]
     assert refit.engines_waiting()     # the pool keeps no copy: a restarted engine waits for the learner
     pool.fail = True
     with pytest.raises(RefitError, match="timeout"):
         refit.push(reset=False)
-    assert learner.calls[-2:] == ["export_ipc", "release_ipc"]
+    # an engine may still read the failed push's buckets: the learner packs the next one into new ones
+    assert learner.calls[-2:] == ["export_ipc graph=True", "release_ipc failed=True"]
+
+
+def test_the_cuda_graph_pack_can_be_turned_off():
+    recipe = load_recipe(None, ["policy.refit_transport=cuda_ipc", "policy.refit_cuda_graph=false"])
+    learner = _Learner("GPU-a")
+    make_refit(recipe, _Pool(IpcPlan("GPU-a", ("e0",), ())), learner).push(reset=False)
+    assert learner.calls[1] == "export_ipc graph=False"
 
 
 def test_without_an_engine_on_the_learners_gpu_every_push_goes_through_the_object_store(caplog):
