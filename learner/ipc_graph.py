@@ -45,14 +45,15 @@ def graph_refusal(device: torch.device, world_size: int, has_vision_tower: bool)
 def pack_into_buckets(tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
                       ) -> tuple[list[TensorSpec], list[int], list[torch.Tensor]]:
     """``tensors`` (all on one device) copied into aligned byte buckets of at most ``bucket_bytes``
-    (:func:`protocol.weight_transfer.plan_buckets`); returns the specs, the bucket sizes and the buckets."""
+    (:func:`protocol.weight_transfer.plan_buckets`), the padding zero; returns the specs, the bucket sizes and
+    the buckets."""
     if not tensors:
         raise ValueError("export: no tensors to pack")
     device = tensors[0][1].device
     if any(t.device != device for _, t in tensors):
         raise ValueError(f"export: tensors on several devices: {sorted({str(t.device) for _, t in tensors})}")
     specs, sizes = plan_buckets([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors], bucket_bytes)
-    buckets = [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes]
+    buckets = [torch.zeros(s, dtype=torch.uint8, device=device) for s in sizes]  # padding too: same sums every push
     for spec, (_, t) in zip(specs, tensors, strict=True):
         buckets[spec.bucket][spec.offset:spec.offset + spec.nbytes].copy_(
             t.detach().contiguous().view(-1).view(torch.uint8))

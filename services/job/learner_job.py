@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,16 +232,7 @@ class LearnerJob:
         refit = self.last_refit
         row["refit_bytes"] = refit.bytes if refit else 0
         if refit:
-            if refit.pause_seconds_max is not None:
-                row["refit_pause_s"] = refit.pause_seconds_max
-                row["refit_install_s"] = refit.install_seconds_max
-            if refit.transport:
-                row["refit_transport"] = refit.transport
-            row["refit_pool_s"] = refit.seconds  # refit_s less it and the send: the learner's calls around them
-            if refit.send_seconds is not None:
-                row["refit_send_s"] = refit.send_seconds
-            if refit.phases is not None:  # where the push's seconds went (rollout.install's PauseBreakdown)
-                row.update({f"refit_phase_{k}": v for k, v in asdict(refit.phases).items()})
+            row.update(refit.row())
         row["tokens_per_s"] = metrics.get("tokens_per_s", float("nan"))
         row["buffer_groups"] = len(self.book.buffer)
         row.update(self.book.source.counts())  # data_epoch, data_dropped_too_long, data_skipped_invalid

@@ -28,6 +28,7 @@ from rollout.config import GenerationConfig
 from rollout.liveness import EngineDead
 from services.models.files import ModelFiles
 from services.pool.engine_replies import BatchReport, ChatCounters, EngineHealth, EngineStarted, EngineStats
+from services.pool.loop_lag import LoopLag
 from services.refit.result import GroupInstall
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ class EngineActor:
         self._starts = 0
         self._start_lock = asyncio.Lock()
         self._send_failures = 0
+        self._loop_lag = LoopLag()  # how late this actor's event loop runs (reported with each install)
         self.pid = os.getpid()
 
     @property
@@ -180,6 +182,7 @@ class EngineActor:
     async def start(self) -> EngineStarted:
         """Start the vLLM engine. If the one started before has died, shut it down first (its /dev/shm
         segments are freed) and start a fresh one: it serves the model on disk (``version`` 0, no push)."""
+        self._loop_lag.start()
         async with self._start_lock:
             if self._started and (reason := self.engine.dead_reason()):
                 log.warning("engine %s: %s; restarting vLLM in this process", self.engine_id, reason)
@@ -342,14 +345,18 @@ class EngineActor:
 
     async def install_from_group(self, reset: bool = False) -> GroupInstall:
         """Receive the weight group's next push and install it in flight."""
+        started = time.perf_counter()
         version = await self._unless_dead(self.engine.install_from_group(reset=reset))
-        return GroupInstall.of(version, self.engine.counters().installs)
+        return GroupInstall.of(version, self.engine.counters().installs, time.perf_counter() - started,
+                               self._loop_lag.take())
 
     async def install_ipc(self, manifest_bytes: bytes, shares: list, reset: bool = False) -> GroupInstall:
         """Map a colocated learner's buckets through their CUDA IPC ``shares`` and install them in flight."""
+        started = time.perf_counter()
         manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
         version = await self._unless_dead(self.engine.install_ipc(manifest, shares, reset=reset))
-        return GroupInstall.of(version, self.engine.counters().installs)
+        return GroupInstall.of(version, self.engine.counters().installs, time.perf_counter() - started,
+                               self._loop_lag.take())
 
     async def gpu_uuids(self) -> list[str]:
         """The UUID of each vLLM worker's GPU ('' on CPU)."""

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from protocol.pool_replies import EngineStatsReply
 from services.pool.engine_table import STATES, EngineTable
+from services.pool.loop_lag import LoopLag
 from services.pool.metrics import PoolMetrics
 from services.pool.placement import colocation_group
 from services.pool.startup import (
@@ -106,6 +107,8 @@ class Fleet:
         self.kept: KeptPush | None = None
         """Reinstalled on engines that restart; None after a collective push (the pool keeps no weights then)."""
         self.refit_lock = asyncio.Lock()
+        self.loop_lag = LoopLag()
+        """How late this replica's event loop runs (watched from the first push on, reported with each)."""
         self.errors: list[str] = []
         self.ready = asyncio.Event()
         self.colocation: Any = None

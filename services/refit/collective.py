@@ -184,6 +184,7 @@ class WeightGroup:
                 raise pool.refit_failed("?", {"pool": RuntimeError("no weight group: the learner must form "
                                                                    "one first (weight_group_plan)")})
             eids = list(self.members)
+            calls_started = time.perf_counter()
             answers = await asyncio.gather(*[asyncio.wait_for(pool.handles[e].install_from_group.remote(reset),
                                                               timeout_s) for e in eids], return_exceptions=True)
             failed = engine_failures(pool, eids, answers)
@@ -191,4 +192,5 @@ class WeightGroup:
                 self.members = None
                 raise pool.refit_failed("?", failed)
             results: list[GroupInstall] = [r for r in answers if isinstance(r, GroupInstall)]
-            return fold_installs(pool, eids, results, time.perf_counter() - t0, "collective")
+            now = time.perf_counter()
+            return fold_installs(pool, eids, results, now - t0, "collective", now - calls_started)

@@ -170,6 +170,7 @@ class IpcFanout:
             if why := plan.refusal():  # the engines changed since the learner asked
                 raise pool.refit_failed("?", {"pool": RuntimeError(f"cuda_ipc: {why}")})
             eids = list(plan.sharing)
+            calls_started = time.perf_counter()
             answers = await asyncio.gather(*[asyncio.wait_for(
                 pool.handles[e].install_ipc.remote(manifest_bytes, shares, reset), timeout_s) for e in eids],
                 return_exceptions=True)
@@ -177,4 +178,5 @@ class IpcFanout:
             if failed:
                 raise pool.refit_failed("?", failed)
             results = [r for r in answers if isinstance(r, GroupInstall)]
-            return fold_installs(pool, eids, results, time.perf_counter() - started, "cuda_ipc")
+            now = time.perf_counter()
+            return fold_installs(pool, eids, results, now - started, "cuda_ipc", now - calls_started)

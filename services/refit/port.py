@@ -54,6 +54,18 @@ class RefitMetrics(Protocol):
     """Installs whose streamed version marks could not count the front end's pre-pause backlog."""
 
 
+class LoopWatch(Protocol):
+    """How late the pool replica's event loop runs (``services.pool.loop_lag.LoopLag``)."""
+
+    def start(self) -> None:
+        """Start watching the running loop (once)."""
+        ...
+
+    def take(self) -> float:
+        """The longest lag since the previous call; starts over."""
+        ...
+
+
 class PoolPort(Protocol):
     """What a push needs from the pool it installs on (``services.pool.fleet.Fleet`` implements it)."""
 
@@ -65,6 +77,11 @@ class PoolPort(Protocol):
     @property
     def refit_lock(self) -> asyncio.Lock:
         """Held by every install (and by a scale-down forgetting engines): one push at a time."""
+        ...
+
+    @property
+    def loop_lag(self) -> LoopWatch:
+        """How late the pool replica's event loop runs (reported with each push)."""
         ...
 
     @property
@@ -141,9 +158,10 @@ def land(pool: PoolPort, version: int, seconds: float, bytes_installed: int, kep
 
 
 def fold_installs(pool: PoolPort, eids: list[str], results: list[GroupInstall], seconds: float,
-                  transport: str) -> RefitResult:
-    """Every engine of ``eids`` installed a push the workers held (``results``, in order): advance each engine
-    and the pool (which keeps no push: an engine that restarts waits for the learner's next one) and count it."""
+                  transport: str, engine_call_s: float) -> RefitResult:
+    """Every engine of ``eids`` installed a push the workers held (``results``, in order; the calls took
+    ``engine_call_s``): advance each engine and the pool (which keeps no push: an engine that restarts waits
+    for the learner's next one) and count it."""
     for eid, res in zip(eids, results, strict=True):
         pool.installed(eid, res.version)
     version = results[0].version
@@ -154,7 +172,17 @@ def fold_installs(pool: PoolPort, eids: list[str], results: list[GroupInstall], 
                        pause_seconds_max=max(r.pause_s for r in results),
                        install_seconds_max=max(r.install_s for r in results),
                        install_paths=tuple(sorted({r.install_path for r in results})), transport=transport,
-                       phases=slowest([r.phases for r in results if r.phases is not None]))
+                       phases=slowest([r.phases for r in results if r.phases is not None]),
+                       engine_call_seconds=engine_call_s, engine_seconds=max(r.call_s for r in results),
+                       engine_loop_lag_seconds=max(r.loop_lag_s for r in results),
+                       pool_loop_lag_seconds=pool_loop_lag(pool))
+
+
+def pool_loop_lag(pool: PoolPort) -> float:
+    """The longest the pool replica's loop ran late since the previous push (0 at the first: it starts watching)."""
+    lag = pool.loop_lag.take()
+    pool.loop_lag.start()
+    return lag
 
 
 def record_install_metrics(metrics: RefitMetrics, install: GroupInstall, held: bool = True) -> None:

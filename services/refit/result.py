@@ -53,6 +53,34 @@ class RefitResult:
     """How it went: ``object_store``, ``collective`` or ``cuda_ipc``."""
     phases: PauseBreakdown | None = None
     """Each phase's longest time over the engines (``rollout.install.installer.PauseBreakdown``)."""
+    engine_call_seconds: float | None = None
+    """Collective and CUDA IPC: the pool's calls to the engines, from sending them to the last answer."""
+    engine_seconds: float | None = None
+    """Collective and CUDA IPC: the longest an engine actor took to answer, from the call's start there."""
+    engine_loop_lag_seconds: float | None = None
+    """Collective and CUDA IPC: the longest an engine actor's event loop ran late since its previous install."""
+    pool_loop_lag_seconds: float | None = None
+    """The longest the pool replica's event loop ran late since the previous push (``services.pool.loop_lag``)."""
+
+    def row(self) -> dict[str, float | str]:
+        """The step row's ``refit_*`` columns (docs/operations.md): ``refit_s`` less ``refit_pool_s`` and
+        ``refit_send_s`` is the learner's calls around them; ``refit_pool_s`` less ``refit_engine_call_s`` the
+        pool's own part (its lock, the plan), that less ``refit_engine_s`` the calls' way to the engine actors,
+        and ``refit_engine_s`` less ``refit_phase_total_s`` an engine's wait for its installer."""
+        row: dict[str, float | str] = {"refit_pool_s": self.seconds}
+        if self.pause_seconds_max is not None:
+            row["refit_pause_s"] = self.pause_seconds_max
+        if self.install_seconds_max is not None:
+            row["refit_install_s"] = self.install_seconds_max
+        if self.transport:
+            row["refit_transport"] = self.transport
+        timings = {"refit_send_s": self.send_seconds, "refit_engine_call_s": self.engine_call_seconds,
+                   "refit_engine_s": self.engine_seconds, "refit_engine_loop_lag_s": self.engine_loop_lag_seconds,
+                   "refit_pool_loop_lag_s": self.pool_loop_lag_seconds}
+        row.update({k: v for k, v in timings.items() if v is not None})
+        if self.phases is not None:  # where the engine's seconds went (rollout.install's PauseBreakdown)
+            row.update({f"refit_phase_{k}": v for k, v in dataclasses.asdict(self.phases).items()})
+        return row
 
 
 @dataclass(frozen=True)
@@ -68,13 +96,18 @@ class GroupInstall:
     """The streamed version marks counted every pre-pause token the front end still held (see
     ``inflight_version_drain_incomplete``)."""
     phases: PauseBreakdown | None = None
+    call_s: float = 0.0
+    """The engine actor's time for the install call, from its start there to its answer."""
+    loop_lag_s: float = 0.0
+    """The longest the engine actor's event loop ran late since its previous install."""
 
     @classmethod
-    def of(cls, version: int, installs: InstallStats) -> GroupInstall:
+    def of(cls, version: int, installs: InstallStats, call_s: float = 0.0, loop_lag_s: float = 0.0) -> GroupInstall:
         """The install an engine just made, from its install counters (``RolloutEngine.counters().installs``)."""
         return cls(version=version, bytes=installs.refit_bytes_last, pause_s=installs.pause_seconds_last,
                    install_s=installs.install_seconds_last, install_path=installs.install_path_last,
-                   drain_complete=installs.drain_complete_last, phases=dataclasses.replace(installs.phases_last))
+                   drain_complete=installs.drain_complete_last, phases=dataclasses.replace(installs.phases_last),
+                   call_s=call_s, loop_lag_s=loop_lag_s)
 
 
 def slowest(phases: list[PauseBreakdown]) -> PauseBreakdown | None:

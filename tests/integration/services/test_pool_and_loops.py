@@ -154,6 +154,9 @@ def test_async_run_with_collective_refit(pool, tmp_path):
     assert all(r["parity_max_abs_logprob_diff"] < 1e-3 for r in got)
     assert all(r["refit_bytes"] > 0 and r["refit_pause_s"] >= r["refit_install_s"] > 0 for r in got)
     assert all(0 < r["refit_send_s"] < r["refit_s"] and 0 < r["refit_pool_s"] < r["refit_s"] for r in got)
+    # the pool's part holds its calls to the engines, and those the engine actors' own answers
+    assert all(0 < r["refit_engine_s"] <= r["refit_engine_call_s"] <= r["refit_pool_s"] for r in got)
+    assert all(r["refit_engine_loop_lag_s"] >= 0 and r["refit_pool_loop_lag_s"] >= 0 for r in got)
     status = httpx.get(f"{url}/v1/status", timeout=10).json()
     assert status["version"] == 3 and all(e["version"] == 3 for e in status["engines"].values())
     metrics = httpx.get(f"{url}/metrics", timeout=10).text

@@ -44,6 +44,11 @@ def test_the_pack_places_every_tensor_at_its_planned_offset():
     for spec, (_, t) in zip(specs, tensors, strict=True):
         raw = buckets[spec.bucket][spec.offset:spec.offset + spec.nbytes]
         assert torch.equal(raw.view(t.dtype).view(t.shape), t)
+    placed = torch.zeros(sum(sizes), dtype=torch.bool)
+    for spec in specs:
+        start = sum(sizes[:spec.bucket]) + spec.offset
+        placed[start:start + spec.nbytes] = True
+    assert not torch.cat(buckets)[~placed].any()             # the padding is zero: equal weights, equal sums
     with pytest.raises(ValueError, match="no tensors"):
         pack_into_buckets([], 1024)
     with pytest.raises(ValueError, match="several devices"):

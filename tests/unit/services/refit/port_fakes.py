@@ -5,6 +5,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.pool.loop_lag import LoopLag
 from services.refit.port import EngineHandle, KeptPush
 from services.refit.result import RefitError, describe, failure_reason
 
@@ -29,6 +30,7 @@ class FakePool:
     def __init__(self, engines: dict[str, EngineHandle]):
         self.name = "p"
         self.refit_lock = asyncio.Lock()
+        self.loop_lag = LoopLag()
         self.version = 0
         self.kept: KeptPush | None = None
         self.handles = dict(engines)

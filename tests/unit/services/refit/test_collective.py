@@ -115,7 +115,10 @@ def test_the_pools_weight_group_plans_ranks_tracks_incarnations_and_installs_ato
         assert group.current() and members["e1"].joined == [(3, 4)]
         out = await group.install(reset=True)
         assert out == RefitResult(version=5, seconds=out.seconds, bytes=100, engines=2, pause_seconds_max=0.02,
-                                  install_seconds_max=0.01, install_paths=("reload",), transport="collective")
+                                  install_seconds_max=0.01, install_paths=("reload",), transport="collective",
+                                  engine_call_seconds=out.engine_call_seconds, engine_seconds=0.0,
+                                  engine_loop_lag_seconds=0.0, pool_loop_lag_seconds=0.0)
+        assert out.engine_call_seconds is not None and 0 <= out.engine_call_seconds <= out.seconds
         assert pool.version == 5 and pool.kept is None and pool.versions == {"e0": 5, "e1": 5}
         assert pool.metrics.refit_bytes._value.get() == 200 and pool.metrics.weight_installs.labels(
             path="reload")._value.get() == 2

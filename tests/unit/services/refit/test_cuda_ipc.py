@@ -44,8 +44,10 @@ class _Engine:
             if self.reject:
                 cause = WeightUpdateError("CUDA IPC push v4: 1 of 2 mapped buckets differ from the learner's checksums")
                 raise RayTaskError("EngineActor.install_ipc", "...", cause).as_instanceof_cause()
+            await asyncio.sleep(0.03)   # the call's way to the engine and back
             return GroupInstall(version=4, bytes=100, pause_s=0.004, install_s=0.001, install_path="copy",
-                                drain_complete=False, phases=PauseBreakdown(pause_s=0.002, install_s=0.001))
+                                drain_complete=False, phases=PauseBreakdown(pause_s=0.002, install_s=0.001),
+                                call_s=0.01, loop_lag_s=0.2)
 
         self.gpu_uuids, self.install_ipc = ActorMethod(gpu_uuids), ActorMethod(install_ipc)
 
@@ -60,7 +62,10 @@ def test_the_pool_installs_on_the_engine_of_the_learners_gpu_and_keeps_no_copy()
         out = await ipc.install(b"manifest", [["share"]], "GPU-a", reset=True)
         assert out == RefitResult(version=4, seconds=out.seconds, bytes=100, engines=1, pause_seconds_max=0.004,
                                   install_seconds_max=0.001, install_paths=("copy",), transport="cuda_ipc",
-                                  phases=PauseBreakdown(pause_s=0.002, install_s=0.001))
+                                  phases=PauseBreakdown(pause_s=0.002, install_s=0.001),
+                                  engine_call_seconds=out.engine_call_seconds, engine_seconds=0.01,
+                                  engine_loop_lag_seconds=0.2, pool_loop_lag_seconds=0.0)
+        assert out.engine_call_seconds is not None and 0.03 <= out.engine_call_seconds <= out.seconds
         assert engine.installs == [(b"manifest", [["share"]], True)] and engine.asked == 1   # asked once
         assert pool.version == 4 and pool.kept is None and pool.versions == {"e0": 4}
         assert pool.metrics.version_drain_incomplete._value.get() == 1
