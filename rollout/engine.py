@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import gc
 import logging
 import os
@@ -22,13 +23,14 @@ import numpy as np
 
 from protocol import PromptRequest, TrajectoryGroup, WeightBucket, WeightManifest
 from protocol.images import PromptImage
-from rollout import nano_omni
+from rollout import gc_heap, nano_omni
 from rollout.completion_order import in_completion_order
 from rollout.config import GenerationConfig
 from rollout.counters import EnvCounters, RolloutCounters
 from rollout.episodes.chat_turns import ChatTurns
 from rollout.episodes.environment import BoundedEnvironment
 from rollout.errors import EngineError, bounded
+from rollout.frontend_yield import yield_between_outputs
 from rollout.install.installer import Installer
 from rollout.install.weight_receiver import ExpectedParams
 from rollout.kv_stats import KvCounters, build_async_llm
@@ -80,6 +82,7 @@ class RolloutEngine:
         """``policy.tokenizer.chat_template_kwargs``: environment turns are rendered with them, as the prompts."""
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._gc_frozen = False  # this engine's start froze the process's heap (rollout/gc_heap.py)
         self.read_back: list[ReadBack] = []
         """The ``vllm_kwargs`` entries against the started engine's own config (:mod:`rollout.vllm_readback`)."""
         self._options: EngineOptions | None = None
@@ -128,6 +131,7 @@ class RolloutEngine:
         self.installer.expected = ExpectedParams.from_model_dir(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.sampler.chat_turns = ChatTurns(self._tokenizer, template_kwargs=self.chat_template_kwargs)
+        self.sampler.text_of = functools.partial(answer_text, self._tokenizer)
         engine_args = AsyncEngineArgs(**options.engine_args)
         children_before = EngineProcesses.before_start()
         build = asyncio.get_running_loop().run_in_executor(None, build_async_llm, engine_args, self._kv)
@@ -137,6 +141,9 @@ class RolloutEngine:
             raise EngineError(f"rollout engine {self.engine_id}: vLLM did not start within "
                               f"{self.start_timeout_s:g}s ({self.model_path})")
         self._llm = build.result()
+        if not yield_between_outputs(self._llm):
+            logger.warning("rollout engine %s: this vLLM's front end cannot be made to yield between outputs "
+                           "(rollout/frontend_yield.py); a push may wait while it catches up", self.engine_id)
         self._procs = EngineProcesses.started_since(children_before)
         del build, done  # the only owner of the engine is self._llm, so shutdown() really frees it
         self.read_back = read_back(self._llm.vllm_config,
@@ -146,6 +153,9 @@ class RolloutEngine:
         self.sampler.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.sampler.image_token_id = image_tokens(self.model_path)
         await self._bounded(self.labels.set_label(self._llm, self.version), "setting the initial weight version")
+        frozen, self._gc_frozen = gc_heap.engine_started(), True  # full collections skip vLLM's heap (gc_heap.py)
+        logger.info("rollout engine %s: %d objects frozen out of the garbage collector's full passes",
+                    self.engine_id, frozen)
 
     async def shutdown(self) -> None:
         """Shut the engine core and its workers down (frees their /dev/shm segments)."""
@@ -158,7 +168,11 @@ class RolloutEngine:
                 handler.cancel()
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
             del llm
-            gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit
+            if self._gc_frozen:  # thawed, then collected
+                self._gc_frozen = False
+                gc_heap.engine_stopped()
+            else:
+                gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit
         if freed := self._procs.release_leftovers():  # a core that died could not remove its segments
             logger.warning("rollout engine %s: removed %s left by its dead vLLM processes", self.engine_id, freed)
 
@@ -330,6 +344,12 @@ class RolloutEngine:
         if reason := self.dead_reason():
             raise EngineDead(f"rollout engine {self.engine_id}: {reason}")
         return self._llm
+
+
+def answer_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """An answer's text as vLLM's detokenizer gives it: special tokens skipped, and the bytes of a character the
+    answer did not finish left out (one decode shows them as U+FFFD)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 def _shutdown_late_engine(build: asyncio.Future) -> None:

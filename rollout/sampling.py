@@ -116,6 +116,10 @@ class GroupSampler:
         (its finish reason is ``"length"``); None: such an episode fails."""
         self.chat_turns: ChatTurns | None = None
         """Renders and tokenizes environment messages (set at engine start, from the engine's tokenizer)."""
+        self.text_of: Callable[[list[int]], str] | None = None
+        """Decodes a finished answer's tokens once (set at engine start, from the engine's tokenizer), so vLLM's
+        front end need not detokenize every token and its log-prob as it samples; None, or with stop strings
+        (vLLM matches them on the text), vLLM detokenizes."""
         self._llm = llm
         """The started engine (raises if it is not started or has died)."""
         self._version = version
@@ -248,7 +252,11 @@ class GroupSampler:
         temperature = g.temperature if temperature is None else temperature
         return SamplingParams(n=1, max_tokens=max_tokens or g.max_new_tokens, temperature=temperature,
                               top_p=g.top_p, top_k=g.top_k or 0, stop=list(g.stop_strings) or None,
-                              bad_words=list(g.bad_words) or None, seed=seed, output_kind=kind, **extra)
+                              bad_words=list(g.bad_words) or None, seed=seed, output_kind=kind,
+                              detokenize=self._engine_detokenizes(), **extra)
+
+    def _engine_detokenizes(self) -> bool:
+        return self.text_of is None or bool(self.generation.stop_strings)
 
     def _new_request_id(self) -> str:
         return f"{self.engine_id}-{next(self._request_ids)}"
@@ -318,7 +326,8 @@ class GroupSampler:
             raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
         if streamed is not None:
             return SampledTurn(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
-                               "".join(streamed.text), self._routing(c, len(token_ids) + len(streamed.token_ids)))
+                               self._text(streamed.token_ids, "".join(streamed.text)),
+                               self._routing(c, len(token_ids) + len(streamed.token_ids)))
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise SampleFailed(f"engine returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
@@ -328,7 +337,12 @@ class GroupSampler:
             versions = self.labels.span_versions(c, len(ids))
         except ValueError as exc:
             raise SampleFailed(str(exc)) from None
-        return SampledTurn(ids, lps, versions, c.finish_reason, c.text, self._routing(c, len(token_ids) + len(ids)))
+        return SampledTurn(ids, lps, versions, c.finish_reason, self._text(ids, c.text),
+                           self._routing(c, len(token_ids) + len(ids)))
+
+    def _text(self, ids: list[int], engine_text: str) -> str:
+        """The answer's text: vLLM's, or decoded here once when vLLM did not detokenize."""
+        return engine_text if self._engine_detokenizes() or self.text_of is None else self.text_of(ids)
 
     def _routing(self, output: Any, positions: int) -> np.ndarray | None:
         """The output's routed experts cut to the MoE layers (rollout/routed_experts.py); None if it has none."""

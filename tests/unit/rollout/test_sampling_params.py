@@ -36,3 +36,18 @@ def test_a_nemo_rl_null_bad_words_is_none():
 
     out, _ = translate({"policy": {"generation": {"bad_words": None, "vllm_kwargs": None}}}, TABLE, is_recipe_key)
     assert out["policy"]["generation"] == {"bad_words": [], "vllm_kwargs": {}}
+
+
+def test_vllm_detokenizes_only_where_it_must():
+    """With the engine's decoder set, vLLM's front end does not detokenize each token and its log-prob (the
+    answer is decoded once); without it, or with stop strings (vLLM matches them on the text), vLLM does."""
+    s = sampler(GenerationConfig())
+    try:
+        assert s._sampling_params(7).detokenize                          # no decoder yet (before the start)
+        s.text_of = lambda ids: "decoded once"
+        assert not s._sampling_params(7).detokenize
+        assert s._text([5, 6], "") == "decoded once"
+        s.generation = GenerationConfig(stop_strings=["</answer>"])
+        assert s._sampling_params(7).detokenize and s._text([5, 6], "vLLM's") == "vLLM's"
+    finally:
+        s.shutdown()
