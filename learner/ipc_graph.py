@@ -6,7 +6,7 @@ processes get the GPU in time slices, and a small kernel launched once the GPU h
 for the learner's next slice. :class:`PackGraph` captures the whole pack once -- conversion, copies and
 checksums -- and replays it as one launch while the weights stay where they were (:func:`weights_key`). Its
 buckets belong to the graph, so the learner holds one more copy of the weights for as long as it exports this
-way (``policy.refit_cuda_graph``). docs/architecture.md ("Weight transports") has the measurements.
+way (``policy.refit_cuda_graph``). docs/benchmarks.md has the measurements (``bench/ipc_export_contention.py``).
 """
 from __future__ import annotations
 
