@@ -102,10 +102,12 @@ class IpcExporter:
     def export_graphed(self, version: int, make_tensors: TensorsFn, key: WeightsKey, bucket_bytes: int
                        ) -> tuple[WeightManifest, list[BucketShare]]:
         """:meth:`export` of ``make_tensors()`` by one replay of a captured pack (:mod:`learner.ipc_graph`),
-        captured again when the weights moved (``key``) or the bucket size changed."""
+        captured again when the weights moved (``key``), the bucket size changed or an export not yet released
+        still holds the pack's buckets (a replay would overwrite them under an engine's feet)."""
         self._check_free(version)
         graph = self._graph
-        if graph is None or graph.key != key or graph.bucket_bytes != bucket_bytes:
+        in_use = graph is not None and any(bs is graph.buckets for bs in self._held.values())
+        if graph is None or in_use or graph.key != key or graph.bucket_bytes != bucket_bytes:
             self._graph = None  # its buckets go once no engine maps them
             graph = self._graph = PackGraph.capture(make_tensors, key, bucket_bytes, row_checksum)
             self.captures += 1

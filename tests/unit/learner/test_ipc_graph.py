@@ -75,3 +75,33 @@ def test_export_learner_captures_only_where_it_may_and_says_once_why_not(monkeyp
     assert calls == [("graphed", 3), ("eager", 3), ("eager", 4), ("eager", 4)]
     assert [r.getMessage() for r in caplog.records] == [
         "refit: the CUDA IPC export is packed eagerly: the weights are on cpu, not a GPU"]
+
+
+class _FakePack(SimpleNamespace):
+    """A captured pack without CUDA: its buckets, and how many times it was replayed."""
+
+    @classmethod
+    def capture(cls, make_tensors, key, bucket_bytes, checksum):
+        return cls(key=key, bucket_bytes=bucket_bytes, specs=[], sizes=[4], buckets=[torch.zeros(4, dtype=torch.uint8)],
+                   replays=0)
+
+    def replay(self):
+        self.replays += 1
+        return [0]
+
+
+def test_a_pack_still_held_by_an_unreleased_export_is_not_replayed_over(monkeypatch):
+    import learner.ipc_export as ipc_export
+
+    monkeypatch.setattr(ipc_export, "PackGraph", _FakePack)
+    monkeypatch.setattr(ipc_export, "share_bucket", lambda b: b.data_ptr())
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    exporter, key = IpcExporter(), (("w", 1, (4,), torch.uint8),)
+    first = exporter.export_graphed(1, list, key, 4)[1]
+    exporter.release(1)
+    assert exporter.export_graphed(2, list, key, 4)[1] == first and exporter.captures == 1   # replayed in place
+    third = exporter.export_graphed(3, list, key, 4)[1]           # v2 not released: its buckets stay as they are
+    assert exporter.captures == 2 and third != first and set(exporter.held) == {2, 3}
+    exporter.release()
+    exporter.export_graphed(4, list, key, 8)                      # another bucket size: captured again
+    assert exporter.captures == 3
