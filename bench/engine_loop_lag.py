@@ -106,7 +106,8 @@ def main() -> None:
         loop.call_soon_threadsafe(lag.start)
         text_of, rows, seen = engine.sampler.text_of, [], []
         answer_text = engine.sampler._text  # record vLLM's own text of each answer, to compare with one decode
-        engine.sampler._text = lambda ids, text: seen.append((list(ids), text)) or answer_text(ids, text)
+        engine.sampler._text = lambda params, ids, text: seen.append((list(ids), text)) or answer_text(
+            params, ids, text)
         requests = make_prompts("repeat_letter", engine.tokenizer, args.prompts, seed=0)
         try:
             run(one_round(engine, requests[:2], 2, lag))  # warm-up

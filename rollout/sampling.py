@@ -256,6 +256,7 @@ class GroupSampler:
                               detokenize=self._engine_detokenizes(), **extra)
 
     def _engine_detokenizes(self) -> bool:
+        """Whether a request made now has vLLM detokenize (see :attr:`text_of`)."""
         return self.text_of is None or bool(self.generation.stop_strings)
 
     def _new_request_id(self) -> str:
@@ -326,7 +327,7 @@ class GroupSampler:
             raise SampleFailed(f"generation ended with finish_reason={c.finish_reason!r}")
         if streamed is not None:
             return SampledTurn(streamed.token_ids, streamed.logprobs, streamed.versions(), c.finish_reason,
-                               self._text(streamed.token_ids, "".join(streamed.text)),
+                               self._text(params, streamed.token_ids, "".join(streamed.text)),
                                self._routing(c, len(token_ids) + len(streamed.token_ids)))
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
@@ -337,12 +338,12 @@ class GroupSampler:
             versions = self.labels.span_versions(c, len(ids))
         except ValueError as exc:
             raise SampleFailed(str(exc)) from None
-        return SampledTurn(ids, lps, versions, c.finish_reason, self._text(ids, c.text),
+        return SampledTurn(ids, lps, versions, c.finish_reason, self._text(params, ids, c.text),
                            self._routing(c, len(token_ids) + len(ids)))
 
-    def _text(self, ids: list[int], engine_text: str) -> str:
-        """The answer's text: vLLM's, or decoded here once when vLLM did not detokenize."""
-        return engine_text if self._engine_detokenizes() or self.text_of is None else self.text_of(ids)
+    def _text(self, params: Any, ids: list[int], engine_text: str) -> str:
+        """The answer's text: vLLM's, or decoded here once when the request (``params``) did not detokenize."""
+        return engine_text if params.detokenize or self.text_of is None else self.text_of(ids)
 
     def _routing(self, output: Any, positions: int) -> np.ndarray | None:
         """The output's routed experts cut to the MoE layers (rollout/routed_experts.py); None if it has none."""

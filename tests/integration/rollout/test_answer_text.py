@@ -23,7 +23,7 @@ def test_the_answer_decoded_once_is_the_text_vllm_detokenizes(harness, streamed)
     text_of, labels_streamed = sampler.text_of, engine.labels.streamed
     assert text_of is not None                        # set at start: vLLM samples without detokenizing
     sampler.text_of, engine.labels.streamed = None, streamed   # this once, vLLM detokenizes as before
-    sampler._text = lambda ids, text: seen.append((list(ids), text)) or text
+    sampler._text = lambda params, ids, text: seen.append((list(ids), text)) or text
     try:
         for request in make_prompts("repeat_letter", engine.tokenizer, 4, seed=31):
             harness.run(engine.generate_group(request, GROUP_SIZE))

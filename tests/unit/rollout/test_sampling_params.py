@@ -45,9 +45,11 @@ def test_vllm_detokenizes_only_where_it_must():
     try:
         assert s._sampling_params(7).detokenize                          # no decoder yet (before the start)
         s.text_of = lambda ids: "decoded once"
-        assert not s._sampling_params(7).detokenize
-        assert s._text([5, 6], "") == "decoded once"
+        params = s._sampling_params(7)
+        assert not params.detokenize and s._text(params, [5, 6], "") == "decoded once"
         s.generation = GenerationConfig(stop_strings=["</answer>"])
-        assert s._sampling_params(7).detokenize and s._text([5, 6], "vLLM's") == "vLLM's"
+        assert s._text(params, [5, 6], "") == "decoded once"             # as the request was made
+        params = s._sampling_params(7)
+        assert params.detokenize and s._text(params, [5, 6], "vLLM's") == "vLLM's"
     finally:
         s.shutdown()
