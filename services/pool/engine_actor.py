@@ -347,14 +347,18 @@ class EngineActor:
         """Receive the weight group's next push and install it in flight."""
         started = time.perf_counter()
         version = await self._unless_dead(self.engine.install_from_group(reset=reset))
-        return GroupInstall.of(version, self.engine.counters().installs, time.perf_counter() - started,
-                               self._loop_lag.take())
+        return self._installed(version, started)
 
     async def install_ipc(self, manifest_bytes: bytes, shares: list, reset: bool = False) -> GroupInstall:
         """Map a colocated learner's buckets through their CUDA IPC ``shares`` and install them in flight."""
         started = time.perf_counter()
         manifest = cast(WeightManifest, decode(manifest_bytes, expect=WeightManifest))
         version = await self._unless_dead(self.engine.install_ipc(manifest, shares, reset=reset))
+        return self._installed(version, started)
+
+    def _installed(self, version: int, started: float) -> GroupInstall:
+        """The answer to an install call that began at ``started``: the engine's install counters, the call's
+        time here and how late this actor's loop ran since the previous install."""
         return GroupInstall.of(version, self.engine.counters().installs, time.perf_counter() - started,
                                self._loop_lag.take())
 

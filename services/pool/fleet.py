@@ -108,7 +108,7 @@ class Fleet:
         """Reinstalled on engines that restart; None after a collective push (the pool keeps no weights then)."""
         self.refit_lock = asyncio.Lock()
         self.loop_lag = LoopLag()
-        """How late this replica's event loop runs (watched from the first push on, reported with each)."""
+        """How late this replica's event loop runs (watched from :meth:`start` on, reported with each push)."""
         self.errors: list[str] = []
         self.ready = asyncio.Event()
         self.colocation: Any = None
@@ -121,6 +121,7 @@ class Fleet:
         """Place, create and boot the engines. Any error stops the start-up at once and removes what it made
         (engines, colocation group); the reason goes to ``errors`` and ``ready`` is set either way, so
         ``wait_ready`` answers at once and :func:`services.pool.deploy` fails with the reason."""
+        self.loop_lag.start()
         started: dict[str, EngineStarted] = {}
         try:
             self.colocation = await asyncio.to_thread(colocation_group, self.recipe, self.name)

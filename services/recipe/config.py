@@ -96,10 +96,9 @@ class PolicyConfig(PolicyStepKeys):
     engine runs on that GPU alone (CPU, more GPUs or engines), each push goes through the object store."""
     refit_cuda_graph: bool = True
     """``cuda_ipc`` with a learner of one GPU (no vision tower): pack each push by replaying one CUDA graph,
-    captured at the first push, instead of a few hundred kernels launched one by one -- which wait for the
-    GPU's time slices while an engine generates on the same GPU (async on one GPU). The graph's buckets stay
-    allocated: one more copy of the weights in the learner's memory. ``false``: pack eagerly, buckets freed
-    after each push."""
+    captured at the first push, instead of launching a few hundred kernels one by one (a 0.6B model's export:
+    22 -> 6 ms on an H100). The graph's buckets stay allocated: one more copy of the weights in the learner's
+    memory. ``false``: pack eagerly, buckets freed after each push."""
     refit_timeout_s: float = Field(default=600.0, gt=0.0, le=86400.0)
     """Deadline of one weight push, for fetching its buckets and again for installing them on the engines; a push
     that misses it is rejected as a whole (the old version keeps serving). Separate from the per-sample

@@ -55,11 +55,8 @@ class RefitMetrics(Protocol):
 
 
 class LoopWatch(Protocol):
-    """How late the pool replica's event loop runs (``services.pool.loop_lag.LoopLag``)."""
-
-    def start(self) -> None:
-        """Start watching the running loop (once)."""
-        ...
+    """How late the pool replica's event loop runs (``services.pool.loop_lag.LoopLag``, watching from the pool's
+    start)."""
 
     def take(self) -> float:
         """The longest lag since the previous call; starts over."""
@@ -175,14 +172,7 @@ def fold_installs(pool: PoolPort, eids: list[str], results: list[GroupInstall], 
                        phases=slowest([r.phases for r in results if r.phases is not None]),
                        engine_call_seconds=engine_call_s, engine_seconds=max(r.call_s for r in results),
                        engine_loop_lag_seconds=max(r.loop_lag_s for r in results),
-                       pool_loop_lag_seconds=pool_loop_lag(pool))
-
-
-def pool_loop_lag(pool: PoolPort) -> float:
-    """The longest the pool replica's loop ran late since the previous push (0 at the first: it starts watching)."""
-    lag = pool.loop_lag.take()
-    pool.loop_lag.start()
-    return lag
+                       pool_loop_lag_seconds=pool.loop_lag.take())
 
 
 def record_install_metrics(metrics: RefitMetrics, install: GroupInstall, held: bool = True) -> None:
