@@ -21,6 +21,10 @@ comma lists (every pair runs in this process, one learner each; an out-of-memory
 budgets' worth of tokens a step). MFU = 6 · parameters · tokens/s / ``--peak-tflops`` (790: the bf16 rate
 measured on an H200), attention's own FLOPs not counted.
 
+``--fusions`` compares the learner's speed-only fusions (torch's fused AdamW, the compiled SwiGLU of
+``bias_activation_fusion``) with Megatron's per-tensor AdamW and plain SwiGLU; ``--profile`` adds each run's CUDA
+kernel time by kind (:mod:`bench.kernel_profile`).
+
 ``--shape nemotron-h-2b`` is a random bf16 Nemotron-H (hybrid Mamba2 / attention / MoE) shaped after
 Nemotron-3-Nano-30B-A3B, shortened (:data:`NEMOTRON_H_SHAPES`); ``nemotron-h-tiny`` the same layer pattern tiny,
 for a CPU smoke run. For MoE shapes the MFU counts *active* parameters: every parameter except the routed
@@ -113,10 +117,20 @@ def make_shaped_model(out: Path, shape: str) -> Path:
     return out
 
 
-def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = "loop") -> dict:
-    """One learner (``backend``, ``mb_tokens``) on a fresh batch: the measured medians (module docstring)."""
+def unfuse_adam(optimizer) -> None:
+    """Back to torch's per-tensor AdamW, as Megatron builds it without TE or Apex (the ``--fusions`` baseline)."""
+    for inner in (opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])):
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = False, True
+
+
+def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = "loop",
+            fusions: str = "all") -> dict:
+    """One learner (``backend``, ``mb_tokens``, ``fusions``) on a fresh batch: the measured medians (module
+    docstring)."""
     import torch
 
+    from bench.kernel_profile import profile
     from learner.config import LossConfig, MegatronConfig, OptimizerConfig, SequencePackingConfig, TrainStepConfig
     from learner.logprobs import token_logprobs
     from learner.trainer import Learner
@@ -126,9 +140,12 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = 
     seq_len = min(args.seq_len, mb_tokens)
     megatron = MegatronConfig(precision="bfloat16" if cuda else "float32", optimizer=OptimizerConfig(lr=1e-5),
                               attention_backend=backend, logprob_chunk_size=args.chunk,
-                              activation_checkpointing=args.recompute, moe_grouped_gemm=experts == "grouped")
+                              activation_checkpointing=args.recompute, moe_grouped_gemm=experts == "grouped",
+                              bias_activation_fusion=fusions in ("swiglu", "all"))
     learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=mb_tokens),
                       max_total_sequence_length=seq_len)
+    if fusions not in ("adam", "all"):
+        unfuse_adam(learner.optim.optimizer)
     rng = np.random.default_rng(0)
     vocab = learner.arch.vocab_size
     num_groups = args.groups
@@ -195,13 +212,15 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = 
             assert m2["optimizer_steps"] == 2, m2
             two_s.append(m2["policy_training_s"])
             prev_s.append(m2["prev_logprobs_s"])
+    profiles = ({"profile_learner": profile(lambda: learner.train_step(groups)), "profile_bare": profile(bare_step)}
+                if args.profile else {})
     params = sum(p.numel() for p in learner.gpt.parameters())
     active = active_parameters(learner.gpt, learner.arch.moe_top_k, learner.arch.num_experts)
     learner_tps = tokens / float(np.median(learner_s))
     bare_tps = tokens / float(np.median(bare_s))
     peak = args.peak_tflops * 1e12
     result = {"arch": args.shape or args.arch, "size": args.size, "device": "cuda" if cuda else "cpu",
-              "precision": megatron.precision, "experts": experts, "attention_backend": backend,
+              "precision": megatron.precision, "experts": experts, "attention_backend": backend, "fusions": fusions,
               "logprob_chunk_size": args.chunk,
               "activation_checkpointing": args.recompute,
               "parameters": params, "active_parameters": active, "max_sequence_length": seq_len,
@@ -211,7 +230,8 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = 
               "learner_tokens_per_s": learner_tps, "bare_tokens_per_s": bare_tps, "ratio": learner_tps / bare_tps,
               "ratio_paired": float(np.median(np.asarray(bare_s) / np.asarray(learner_s))),
               "mfu_learner": 6 * active * learner_tps / peak, "mfu_bare": 6 * active * bare_tps / peak,
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "steps": args.steps}
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "steps": args.steps,
+              **profiles}
     if args.two_step:
         result.update({"two_step_s": float(np.median(two_s)),
                        "two_step_ratio": float(np.median(two_s)) / float(np.median(learner_s)),
@@ -232,6 +252,10 @@ def main() -> None:
     ap.add_argument("--backends", default="auto", help="comma list of policy.megatron_cfg.attention_backend")
     ap.add_argument("--experts", default="loop", help="comma list: loop (per-expert GEMMs), grouped "
                     "(policy.megatron_cfg.moe_grouped_gemm)")
+    ap.add_argument("--fusions", default="all", help="comma list: none (per-tensor AdamW, unfused SwiGLU), adam "
+                    "(torch's fused AdamW), swiglu (policy.megatron_cfg.bias_activation_fusion), all (both)")
+    ap.add_argument("--profile", action="store_true", help="also time 2 learner and 2 bare steps' CUDA kernels by "
+                    "kind (bench/kernel_profile.py)")
     ap.add_argument("--chunk", type=int, default=None, help="policy.megatron_cfg.logprob_chunk_size")
     ap.add_argument("--seq-len", type=int, default=8192, help="longest sequence with --shape")
     ap.add_argument("--tokens-per-mb", type=float, default=0.0, help="batch size in budgets (0: --groups)")
@@ -253,12 +277,14 @@ def main() -> None:
                  make_tiny_model(where / args.arch, seed=0, arch=args.arch, size=args.size))
     results = []
     for budget in (int(b) for b in args.mb_tokens.split(",")):
-        for backend, experts in ((b, e) for b in args.backends.split(",") for e in args.experts.split(",")):
+        for backend, experts, fusions in ((b, e, f) for b in args.backends.split(",") for e in args.experts.split(",")
+                                          for f in args.fusions.split(",")):
             t0 = time.perf_counter()
             try:
-                r = run_one(args, model_dir, backend, budget, experts)
+                r = run_one(args, model_dir, backend, budget, experts, fusions)
             except torch.OutOfMemoryError as err:
                 r = {"arch": args.shape or args.arch, "experts": experts, "attention_backend": backend,
+                     "fusions": fusions,
                      "train_mb_tokens": budget,
                      "logprob_chunk_size": args.chunk, "oom": str(err).splitlines()[0][:200]}
             gc.collect()

@@ -66,6 +66,10 @@ class MegatronConfig(ConfigModel):
     """Recompute activations in the backward pass (saves memory, costs time)."""
     precision: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter/compute dtype; the optimizer keeps fp32 master weights for bf16."""
+    bias_activation_fusion: bool = True
+    """SwiGLU as one compiled kernel forward and one backward (Megatron's ``bias_swiglu_impl``, NeMo-RL's key) on a
+    GPU; the CPU runs the unfused ops, the same math. Only SwiGLU MLPs (dense and Qwen3-MoE experts) fuse:
+    Nemotron-H's squared-ReLU layers ignore it."""
     moe_grouped_gemm: bool = False
     """MoE experts as grouped GEMMs (learner.grouped_experts: torch._grouped_mm over all of a rank's experts)
     instead of Megatron's loop of per-expert GEMMs; Megatron's name. Dense and hybrid models ignore it."""

@@ -3,7 +3,7 @@
 The HF fields are read into :class:`HFArchitecture` by :mod:`learner.hf_config`
 (the supported families are listed there), turned into a ``TransformerConfig`` that honours
 :class:`~learner.config.MegatronConfig` (TP/EP, recompute, precision; dropout 0
-and every fusion off, so CPU and GPU run the same semantics), and the model is
+and every fusion off but SwiGLU's on a GPU, so CPU and GPU run the same math), and the model is
 built on the current device (local layer spec, no Transformer Engine, core attention from
 :mod:`learner.attention`: packed rows by their boundaries, no mask); Llama-3 RoPE
 scaling takes all four of the config's values (:func:`_set_llama3_frequencies`). A vision-language
@@ -186,7 +186,8 @@ def transformer_config(arch: HFArchitecture, megatron: MegatronConfig) -> Transf
         expert_model_parallel_size=megatron.expert_model_parallel_size, expert_tensor_parallel_size=1,
         sequence_parallel=False, calculate_per_token_loss=True,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=megatron.bias_activation_fusion and torch.cuda.is_available(),
+        bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         mrope_section=list(arch.mrope_section) if arch.mrope_section else None,
         **_recompute_options(megatron), **_moe_options(arch, megatron),

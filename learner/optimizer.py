@@ -5,7 +5,7 @@ gradient buffers, gradients summed over data-parallel ranks — the loss is
 already divided by the global token count, so ``calculate_per_token_loss`` is
 set on the model config and DDP does not average again). The optimizer is
 ``get_megatron_optimizer`` (AdamW with decoupled weight decay, global-norm
-clipping at ``clip_grad``; the ``DistributedOptimizer`` shards fp32 master
+clipping at ``clip_grad``, torch's fused AdamW kernel; the ``DistributedOptimizer`` shards fp32 master
 weights and Adam moments over data-parallel ranks when
 ``use_distributed_optimizer``), and the schedule is Megatron's
 ``OptimizerParamScheduler`` (linear warm-up from ``lr_warmup_init``, then constant / linear /
@@ -94,6 +94,19 @@ class OptimizerStack:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def fuse_adam(optimizer: MegatronOptimizer) -> None:
+    """Give each of ``optimizer``'s torch ``AdamW`` (Megatron's choice without Transformer Engine or Apex, whose
+    fused Adam it would take) torch's fused kernel instead of its per-tensor ``foreach`` one: the same update in
+    one pass over the weights, gradients and moments. Before the first step only (a fused step keeps its count on
+    the parameters' device)."""
+    for inner in (opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])):
+        if type(inner) is torch.optim.AdamW:
+            if inner.state:
+                raise RuntimeError("fuse_adam: the optimizer has stepped already")
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+
 def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerStack:
     """Megatron AdamW + schedule for ``ddp_model`` as configured by ``cfg``."""
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
@@ -108,6 +121,7 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig, bf16: bool) -> OptimizerSta
         use_distributed_optimizer=cfg.use_distributed_optimizer)
     with device_redirect():
         optimizer = get_megatron_optimizer(mcfg, [ddp_model])
+    fuse_adam(optimizer)
     if cfg.lr_decay_style == "constant":
         # a constant rate ignores the decay span; Megatron only needs it past the warm-up
         decay_steps = cfg.lr_warmup_steps + 1
