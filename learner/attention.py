@@ -134,11 +134,14 @@ def _sdpa_batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for b in plan.buckets:
-        qb, kb, vb = (t.index_select(0, b.gather).unflatten(0, (b.count, b.length)).transpose(1, 2)
-                      for t in (query, key, value))  # [count, heads, length, d]
+        span = slice(*b.span) if b.span else None
+        qb, kb, vb = ((t[span] if span else t.index_select(0, b.gather)).unflatten(0, (b.count, b.length))
+                      .transpose(1, 2) for t in (query, key, value))  # [count, heads, length, d]
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, b.keep))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, plan.order)
+        out = out.transpose(1, 2).flatten(0, 1)
+        outs.append(out if span else out.index_select(0, b.keep))
+    row = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return row if plan.order is None else row.index_select(0, plan.order)
 
 
 class PackedAttention(MegatronModule):

@@ -10,6 +10,8 @@ from learner.attention import (PackedAttention, block_diagonal_causal_mask, core
 
 BLOCKS = (7, 1, 12, 4)
 UNEVEN = (7, 1, 12, 4, 6, 11)  # sdpa_batched's buckets: [12, 11, 7] and [6, 4] padded, [1]
+ONE = (24,)  # sdpa_batched: one bucket, a view of the row
+EQUAL = (6, 6, 2)  # sdpa_batched: [6, 6] a view of the row's start, [2] a view of its end
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs an NVIDIA GPU")])
 HEADS, GROUPS, DIM = 4, 2, 16
@@ -60,7 +62,7 @@ def _inputs(blocks=BLOCKS, device="cpu"):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_batched"])
-@pytest.mark.parametrize("blocks", [BLOCKS, UNEVEN])
+@pytest.mark.parametrize("blocks", [BLOCKS, UNEVEN, ONE, EQUAL])
 def test_sdpa_equals_masked_attention_with_gradients(backend, blocks, device):
     q, k, v = _inputs(blocks, device)  # float32: on a GPU the memory-efficient or math kernel
     row = packed_row(blocks, q.device)
@@ -68,8 +70,13 @@ def test_sdpa_equals_masked_attention_with_gradients(backend, blocks, device):
     assert (row.buckets is not None) == (backend == "sdpa_batched")  # built once, for the row's other layers
     if backend == "sdpa_batched" and blocks == UNEVEN:
         assert [(b.count, b.length) for b in row.buckets.buckets] == [(3, 12), (2, 6), (1, 1)]
+    if backend == "sdpa_batched" and blocks in (ONE, EQUAL):
+        assert [b.span for b in row.buckets.buckets] == ([(0, 24)] if blocks == ONE else [(0, 12), (12, 14)])
+        assert row.buckets.order is None
     ref = _reference(q, k, v, blocks)
-    tol = dict(atol=1e-6, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)  # GPU kernels round differently
+    # CPU: the bound of issue 35 (fp32, 1e-5). A first query sees one key, so its gradient is 0 in the reference and
+    # ~1e-6 from SDPA, run to run (threads): 1e-6 failed 2 runs of 10. GPU kernels round differently.
+    tol = dict(atol=1e-5, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out, ref, **tol)
     w = torch.randn_like(ref)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))

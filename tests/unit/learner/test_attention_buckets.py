@@ -28,6 +28,15 @@ def test_plan_pads_each_sequence_to_its_bucket_and_restores_row_order():
     assert plan.buckets[0].gather.tolist() == [8, 9, 10, 11, 12, 13, 14] + [0, 1, 2, 3, 0, 0, 0] + [5, 6, 7, 5, 5, 5, 5]
     assert plan.buckets[0].keep.tolist() == list(range(7)) + [7, 8, 9, 10] + [14, 15, 16]
     assert plan.buckets[1].gather.tolist() == [4] and plan.buckets[1].keep.tolist() == [0]
+    assert [b.span for b in plan.buckets] == [None, (4, 5)]  # the lone 1-token sequence is a view of the row
     row = torch.arange(sum(blocks)) * 10
     kept = torch.cat([row[b.gather][b.keep] for b in plan.buckets])
-    assert torch.equal(kept[plan.order], row)  # every position once, back in its place
+    assert plan.order is not None and torch.equal(kept[plan.order], row)  # every position once, back in its place
+
+
+@pytest.mark.parametrize(("blocks", "spans"), [([9], [(0, 9)]), ([3, 3, 3], [(0, 9)]), ([5, 2, 2], [(0, 5), (5, 9)])])
+def test_buckets_of_the_row_as_it_lies_are_views_and_keep_the_row_order(blocks, spans):
+    plan = bucket_plan(blocks, torch.device("cpu"))
+    assert [b.span for b in plan.buckets] == spans and plan.order is None
+    for b in plan.buckets:
+        assert b.gather.tolist() == list(range(*b.span)) and b.keep.tolist() == list(range(b.span[1] - b.span[0]))
