@@ -7,7 +7,7 @@
 #                                      # --profile: 4B and 0.6B at 8K; then 1.7B at 4K and 16K (fusions on)
 #   bash bench/gpu_learner.sh BEFORE_AFTER  # the attention tests on the GPU, then 4B and 0.6B at 8K: the old
 #                                      # default (sdpa, no fusions) against the new (sdpa_batched reading one-sequence
-#                                      # buckets as views, fused AdamW and SwiGLU)
+#                                      # buckets as views, fused AdamW, SwiGLU and entropy)
 set -u
 PHASE=${1:?phase: FUSIONS or BEFORE_AFTER}
 OUT=${OUT:-bench/results/gpu_learner}
@@ -46,14 +46,17 @@ case "$PHASE" in
     run qwen3_17b 150 python3 bench/learner_step.py --no-two-step --steps 3 --fusions all --shape qwen3-1.7b \
       --mb-tokens 4096,16384 --tokens-per-mb 2 --out "$OUT/qwen3_17b.json" ;;
   BEFORE_AFTER)
-    run attention_test 90 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/unit/learner/test_attention.py
+    run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/unit/learner/test_attention.py \
+      tests/integration/learner/test_fusions_gpu.py
     LS="python3 bench/learner_step.py --no-two-step --mb-tokens 8192"
     [ "$gib" -gt 100000 ] && run qwen3_4b_before 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends sdpa \
       --fusions none --out "$OUT/qwen3_4b_before.json"
     [ "$gib" -gt 100000 ] && run qwen3_4b_after 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends auto \
       --fusions all --out "$OUT/qwen3_4b_after.json"
-    run qwen3_06b 170 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends sdpa,auto --fusions none,all \
-      --out "$OUT/qwen3_06b.json" ;;
+    run qwen3_06b_before 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends sdpa --fusions none \
+      --out "$OUT/qwen3_06b_before.json"
+    run qwen3_06b_after 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends auto --fusions all \
+      --out "$OUT/qwen3_06b_after.json" ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 echo "done after $(( $(date +%s) - start ))s"

@@ -22,7 +22,8 @@ budgets' worth of tokens a step). MFU = 6 · parameters · tokens/s / ``--peak-t
 measured on an H200), attention's own FLOPs not counted.
 
 ``--fusions`` compares the learner's speed-only fusions (torch's fused AdamW, the compiled SwiGLU of
-``bias_activation_fusion``) with Megatron's per-tensor AdamW and plain SwiGLU; ``--profile`` adds each run's CUDA
+``bias_activation_fusion``, the compiled entropy on a GPU) with Megatron's per-tensor AdamW, plain SwiGLU and the
+eager entropy; ``--profile`` adds each run's CUDA
 kernel time by kind (:mod:`bench.kernel_profile`).
 
 ``--shape nemotron-h-2b`` is a random bf16 Nemotron-H (hybrid Mamba2 / attention / MoE) shaped after
@@ -124,6 +125,24 @@ def unfuse_adam(optimizer) -> None:
             group["fused"], group["foreach"] = False, True
 
 
+FUSIONS = ("adam", "swiglu", "entropy")
+"""What ``--fusions`` names (joined by ``+``; ``all`` / ``none``): torch's fused AdamW, the compiled SwiGLU of
+``bias_activation_fusion``, the compiled entropy of the log-prob path."""
+
+
+def set_fusions(learner, fused: set[str]) -> None:
+    """Undo the learner's fusions not in ``fused`` (the baseline: Megatron's per-tensor AdamW, eager entropy;
+    SwiGLU is set through the config before the model is built)."""
+    import torch
+
+    from learner import logprobs
+
+    if "adam" not in fused:
+        unfuse_adam(learner.optim.optimizer)
+    logprobs._compiled_row_entropy = None if "entropy" in fused else (
+        lambda x: torch.cat([logprobs._row_entropy(c) for c in x.split(logprobs.ENTROPY_CHUNK_ROWS)]))
+
+
 def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = "loop",
             fusions: str = "all") -> dict:
     """One learner (``backend``, ``mb_tokens``, ``fusions``) on a fresh batch: the measured medians (module
@@ -137,15 +156,17 @@ def run_one(args, model_dir: Path, backend: str, mb_tokens: int, experts: str = 
     from protocol.messages import Trajectory, TrajectoryGroup
 
     cuda = torch.cuda.is_available()
+    fused = set(FUSIONS) if fusions == "all" else set() if fusions == "none" else set(fusions.split("+"))
+    if fused - set(FUSIONS):
+        raise ValueError(f"--fusions: {sorted(fused - set(FUSIONS))} not among {FUSIONS} (or all / none)")
     seq_len = min(args.seq_len, mb_tokens)
     megatron = MegatronConfig(precision="bfloat16" if cuda else "float32", optimizer=OptimizerConfig(lr=1e-5),
                               attention_backend=backend, logprob_chunk_size=args.chunk,
                               activation_checkpointing=args.recompute, moe_grouped_gemm=experts == "grouped",
-                              bias_activation_fusion=fusions in ("swiglu", "all"))
+                              bias_activation_fusion="swiglu" in fused)
     learner = Learner(str(model_dir), megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=mb_tokens),
                       max_total_sequence_length=seq_len)
-    if fusions not in ("adam", "all"):
-        unfuse_adam(learner.optim.optimizer)
+    set_fusions(learner, fused)
     rng = np.random.default_rng(0)
     vocab = learner.arch.vocab_size
     num_groups = args.groups
@@ -252,8 +273,8 @@ def main() -> None:
     ap.add_argument("--backends", default="auto", help="comma list of policy.megatron_cfg.attention_backend")
     ap.add_argument("--experts", default="loop", help="comma list: loop (per-expert GEMMs), grouped "
                     "(policy.megatron_cfg.moe_grouped_gemm)")
-    ap.add_argument("--fusions", default="all", help="comma list: none (per-tensor AdamW, unfused SwiGLU), adam "
-                    "(torch's fused AdamW), swiglu (policy.megatron_cfg.bias_activation_fusion), all (both)")
+    ap.add_argument("--fusions", default="all", help="comma list of all, none or +-joined names of FUSIONS: adam "
+                    "(torch's fused AdamW), swiglu (policy.megatron_cfg.bias_activation_fusion), entropy (compiled)")
     ap.add_argument("--profile", action="store_true", help="also time 2 learner and 2 bare steps' CUDA kernels by "
                     "kind (bench/kernel_profile.py)")
     ap.add_argument("--chunk", type=int, default=None, help="policy.megatron_cfg.logprob_chunk_size")

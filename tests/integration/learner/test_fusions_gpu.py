@@ -1,5 +1,6 @@
 """GPU: Megatron's MLP with ``bias_activation_fusion`` (its compiled SwiGLU, forward and backward) equals the
-unfused MLP of the same weights in bf16, outputs and gradients. Skipped without a GPU (``-m gpu``)."""
+unfused MLP of the same weights in bf16, outputs and gradients; the compiled entropy of the learner's log-prob path
+equals the eager one (filtered tokens' -inf logits included). Skipped without a GPU (``-m gpu``)."""
 from __future__ import annotations
 
 import pytest
@@ -35,3 +36,16 @@ def test_the_fused_swiglu_mlp_equals_the_unfused_one():
         outs.append((y.detach(), x.grad, mlp.linear_fc1.weight.grad))
     for plain, fused in zip(*outs, strict=True):
         torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_compiled_entropy_equals_the_eager_one():
+    from learner.logprobs import ENTROPY_CHUNK_ROWS, vocab_parallel_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 7, ENTROPY_CHUNK_ROWS + 5):  # the eager path's chunks; the compiled one's dynamic shapes
+        logits = (torch.randn(rows, 1000, generator=gen) * 4).to(torch.bfloat16)
+        logits[::3, 500:] = float("-inf")  # a top-k/top-p filtered distribution
+        eager = vocab_parallel_entropy(logits)  # CPU: the chunked eager path
+        compiled = vocab_parallel_entropy(logits.cuda())
+        assert compiled.dtype == torch.float32 and compiled.shape == (rows,)
+        torch.testing.assert_close(compiled.cpu(), eager, rtol=1e-5, atol=1e-5)
