@@ -134,12 +134,15 @@ def _sdpa_batched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for b in plan.buckets:
-        span = slice(*b.span) if b.span else None
-        qb, kb, vb = ((t[span] if span else t.index_select(0, b.gather)).unflatten(0, (b.count, b.length))
-                      .transpose(1, 2) for t in (query, key, value))  # [count, heads, length, d]
+        if b.span is not None:
+            qb, kb, vb = (t[b.span[0]:b.span[1]] for t in (query, key, value))
+        else:
+            assert b.gather is not None and b.keep is not None
+            qb, kb, vb = (t.index_select(0, b.gather) for t in (query, key, value))
+        qb, kb, vb = (t.unflatten(0, (b.count, b.length)).transpose(1, 2) for t in (qb, kb, vb))  # [n, heads, L, d]
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         out = out.transpose(1, 2).flatten(0, 1)
-        outs.append(out if span else out.index_select(0, b.keep))
+        outs.append(out if b.keep is None else out.index_select(0, b.keep))
     row = outs[0] if len(outs) == 1 else torch.cat(outs)
     return row if plan.order is None else row.index_select(0, plan.order)
 

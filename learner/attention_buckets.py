@@ -27,15 +27,15 @@ class Bucket:
     """Sequences in the bucket."""
     length: int
     """The longest one's length: every sequence is right-padded to it."""
-    gather: torch.Tensor
+    gather: torch.Tensor | None
     """``[count · length]`` row positions filling the batch, slot by slot (a pad slot repeats its sequence's first
-    position: it is seen only by pad queries, whose outputs are dropped)."""
-    keep: torch.Tensor
-    """The slots holding real positions, in slot order (``[tokens of the bucket]``)."""
+    position: it is seen only by pad queries, whose outputs are dropped); None with a ``span``."""
+    keep: torch.Tensor | None
+    """The slots holding real positions, in slot order (``[tokens of the bucket]``); None with a ``span``."""
     span: tuple[int, int] | None = None
     """``(start, stop)`` when the batch is the row's positions ``start:stop`` as they lie (its sequences adjacent,
-    in order, none padded): a view then fills it and ``gather`` / ``keep`` are not needed (one long sequence per
-    row: no copy in the forward, no scatter-add in the backward)."""
+    in order, none padded): a view fills it, with no index tensors (one long sequence per row: no copy in the
+    forward, no scatter-add in the backward, no host-to-device copy of indices)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ def group_by_length(blocks: Sequence[int], max_padding: float = MAX_PADDING) -> 
     return groups
 
 
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an index tensor on ``device``; to a GPU through pinned memory without waiting for it (a plain
+    copy from pageable memory synchronises the stream: the host stops until the GPU has run all it was given)."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values).pin_memory().to(device, non_blocking=True)
+
+
 def bucket_plan(blocks: Sequence[int], device: torch.device, max_padding: float = MAX_PADDING) -> BucketPlan:
     """The :class:`BucketPlan` of a row made of ``blocks`` (lengths > 0), its index tensors on ``device``."""
     starts = [0, *accumulate(blocks[:-1])]
@@ -77,11 +85,11 @@ def bucket_plan(blocks: Sequence[int], device: torch.device, max_padding: float 
             gather += list(range(start, start + n)) + [start] * (length - n)
             keep += range(slot_base, slot_base + n)
             kept_positions += range(start, start + n)
-        as_laid = gather == list(range(gather[0], gather[0] + len(gather)))  # adjacent, in order, unpadded
-        buckets.append(Bucket(len(group), length, torch.tensor(gather, device=device),
-                              torch.tensor(keep, device=device),
-                              span=(gather[0], gather[0] + len(gather)) if as_laid else None))
+        if gather == list(range(gather[0], gather[0] + len(gather))):  # adjacent, in order, unpadded
+            buckets.append(Bucket(len(group), length, None, None, span=(gather[0], gather[0] + len(gather))))
+        else:
+            buckets.append(Bucket(len(group), length, _indices(gather, device), _indices(keep, device)))
     if kept_positions == list(range(len(kept_positions))):
         return BucketPlan(tuple(buckets), None)
-    order = torch.argsort(torch.tensor(kept_positions))  # kept_positions is a permutation of the row's positions
-    return BucketPlan(tuple(buckets), order.to(device))
+    order = sorted(range(len(kept_positions)), key=kept_positions.__getitem__)  # kept_positions: a permutation
+    return BucketPlan(tuple(buckets), _indices(order, device))
