@@ -58,7 +58,9 @@ def profile(fn: Callable[[], object], calls: int = 2, top: int = 15) -> dict:
             fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the GPU timeline also holds user annotations (``Optimizer.step#AdamW.step``) that span kernels: not kernels
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and "#" not in e.name]
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for e in kernels:
