@@ -120,7 +120,9 @@ def make_shaped_model(out: Path, shape: str) -> Path:
 
 def unfuse_adam(optimizer) -> None:
     """Back to torch's per-tensor AdamW, as Megatron builds it without TE or Apex (the ``--fusions`` baseline)."""
-    for inner in (opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])):
+    from learner.optimizer import torch_optimizers
+
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             group["fused"], group["foreach"] = False, True
 

@@ -72,26 +72,31 @@ class OptimizerStack:
         The inner optimizer's parameters are the fp32 master weights (or the
         model's own parameters in plain fp32), so saving them plus its state
         restores every bit of the update that follows."""
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return {"optimizers": [
-            {"torch_state": opt.optimizer.state_dict(),
-             "params": [p.detach().clone() for g in opt.optimizer.param_groups for p in g["params"]]}
-            for opt in chained], "scheduler": self.scheduler.state_dict()}
+            {"torch_state": inner.state_dict(),
+             "params": [p.detach().clone() for g in inner.param_groups for p in g["params"]]}
+            for inner in torch_optimizers(self.optimizer)], "scheduler": self.scheduler.state_dict()}
 
     @torch.no_grad()
     def load_inner_state(self, state: dict) -> None:
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        if len(chained) != len(state["optimizers"]):
-            raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this learner {len(chained)}")
-        for opt, saved in zip(chained, state["optimizers"], strict=True):
-            params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        inners = torch_optimizers(self.optimizer)
+        if len(inners) != len(state["optimizers"]):
+            raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this learner {len(inners)}")
+        for inner, saved in zip(inners, state["optimizers"], strict=True):
+            params = [p for g in inner.param_groups for p in g["params"]]
             if len(params) != len(saved["params"]):
                 raise ValueError(f"checkpoint optimizer has {len(saved['params'])} parameters, "
                                  f"this learner {len(params)}")
             for p, v in zip(params, saved["params"], strict=True):
                 p.copy_(v)
-            opt.optimizer.load_state_dict(saved["torch_state"])
+            inner.load_state_dict(saved["torch_state"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def torch_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer``: one per chained Megatron optimizer (dense and expert parameters
+    each have theirs), or its only one."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def fuse_adam(optimizer: MegatronOptimizer) -> None:
@@ -99,7 +104,7 @@ def fuse_adam(optimizer: MegatronOptimizer) -> None:
     fused Adam it would take) torch's fused kernel instead of its per-tensor ``foreach`` one: the same update in
     one pass over the weights, gradients and moments. Before the first step only (a fused step keeps its count on
     the parameters' device)."""
-    for inner in (opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])):
+    for inner in torch_optimizers(optimizer):
         if type(inner) is torch.optim.AdamW:
             if inner.state:
                 raise RuntimeError("fuse_adam: the optimizer has stepped already")
