@@ -15,16 +15,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lsite .carry/learner_whl/*.whl \
   || { echo "wheels: install failed"; exit 1; }
 export PYTHONPATH=$PWD:/tmp/lsite:${PYTHONPATH:-} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
-run() {  # run NAME SECONDS CMD...: CMD with a deadline (at most what is left), output in $OUT/NAME.log
-  local name=$1 secs=$2; shift 2
-  local cap; cap=$(left); [ "$secs" -gt "$cap" ] && secs=$cap
-  if [ "$secs" -le 20 ]; then echo "[$name] skipped: no time left"; return 0; fi
-  echo "[$name] up to ${secs}s: $*"
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "[$name] exit $? after $(( $(date +%s) - start ))s; last lines:"; tail -n 3 "$OUT/$name.log"
-}
+. "$(dirname "$0")/gpu_steps.sh"  # start, left, step
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # this card's own bf16 rate (MFU here is against 790 TFLOP/s, an H200's; an H100's differs)
 python3 -c "
@@ -38,24 +29,24 @@ torch.cuda.synchronize(); print(f'bf16 8192^3 matmul: {20 * 2 * 8192**3 / (time.
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 case "$PHASE" in
   FUSIONS)
-    run fusions_test 90 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/integration/learner/test_fusions_gpu.py
+    step fusions_test 90 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/integration/learner/test_fusions_gpu.py
     LS="python3 bench/learner_step.py --no-two-step --steps 3 --fusions none,all"
     [ "$gib" -gt 100000 ] || echo "[qwen3_4b_8k] skipped: the 4B shape at 8K needs ~112 GiB, this card has $gib MiB"
-    [ "$gib" -gt 100000 ] && run qwen3_4b_8k 230 $LS --shape qwen3-4b --mb-tokens 8192 --tokens-per-mb 1 --profile --out "$OUT/qwen3_4b_8k.json"
-    run qwen3_06b_8k 110 $LS --shape qwen3-0.6b --mb-tokens 8192 --tokens-per-mb 2 --profile --out "$OUT/qwen3_06b_8k.json"
-    run qwen3_17b 150 python3 bench/learner_step.py --no-two-step --steps 3 --fusions all --shape qwen3-1.7b \
+    [ "$gib" -gt 100000 ] && step qwen3_4b_8k 230 $LS --shape qwen3-4b --mb-tokens 8192 --tokens-per-mb 1 --profile --out "$OUT/qwen3_4b_8k.json"
+    step qwen3_06b_8k 110 $LS --shape qwen3-0.6b --mb-tokens 8192 --tokens-per-mb 2 --profile --out "$OUT/qwen3_06b_8k.json"
+    step qwen3_17b 150 python3 bench/learner_step.py --no-two-step --steps 3 --fusions all --shape qwen3-1.7b \
       --mb-tokens 4096,16384 --tokens-per-mb 2 --out "$OUT/qwen3_17b.json" ;;
   BEFORE_AFTER)
-    run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/unit/learner/test_attention.py \
+    step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/unit/learner/test_attention.py \
       tests/integration/learner/test_fusions_gpu.py
     LS="python3 bench/learner_step.py --no-two-step --mb-tokens 8192"
-    [ "$gib" -gt 100000 ] && run qwen3_4b_before 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends sdpa \
+    [ "$gib" -gt 100000 ] && step qwen3_4b_before 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends sdpa \
       --fusions none --out "$OUT/qwen3_4b_before.json"
-    [ "$gib" -gt 100000 ] && run qwen3_4b_after 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends auto \
+    [ "$gib" -gt 100000 ] && step qwen3_4b_after 150 $LS --steps 2 --shape qwen3-4b --tokens-per-mb 1 --backends auto \
       --fusions all --out "$OUT/qwen3_4b_after.json"
-    run qwen3_06b_before 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends sdpa --fusions none \
+    step qwen3_06b_before 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends sdpa --fusions none \
       --out "$OUT/qwen3_06b_before.json"
-    run qwen3_06b_after 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends auto --fusions all \
+    step qwen3_06b_after 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends auto --fusions all \
       --out "$OUT/qwen3_06b_after.json" ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -72,18 +72,7 @@ if [ -d /tmp/site ] && [[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]]; then
   ln -sfn /tmp/site /tmp/site-packages
   PYTHONPATH=$(echo ":$PYTHONPATH:" | sed 's#:/tmp/site:#:/tmp/site-packages:#; s#^:##; s#:$##'); export PYTHONPATH
 fi
-start=$(date +%s)
-left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - start) )); }
-step() {  # step NAME SECONDS CMD...: run CMD with a deadline, log to $OUT/NAME.log, report the outcome
-  local name=$1 secs=$2; shift 2
-  local cap; cap=$(left); [ "$secs" -gt "$cap" ] && secs=$cap
-  if [ "$secs" -le 20 ]; then echo "[$name] skipped: no time left"; return 0; fi
-  local t0; t0=$(date +%s)
-  timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s (limit $secs s)"
-  tail -n 25 "$OUT/$name.log" | cut -c1-400
-}
+. "$(dirname "$0")/gpu_steps.sh"  # start, left, step
 breakdown() {  # breakdown OUT_JSON SECONDS: sync vs async step breakdown, dense 0.6B, collective refit
   step step_breakdown "$2" $PY bench/step_breakdown.py --recipe recipes/gpu-2xh200-async.yaml --steps 5 \
     --out "$OUT/$1" policy.model_name=$dense $SHAPE policy.refit_transport=collective
