@@ -10,7 +10,20 @@ want="$(cat requirements-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | c
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "setup: $VENV is up to date"; exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# A fresh .venv takes ~4.5 GiB (torch, triton, vLLM, Ray); pip's own "No space left on device" comes minutes in and
+# names no folder, so say it first.
+NEED_GIB=${INFLIGHT_SETUP_NEED_GIB:-6}
+if [ ! -x "$VENV/bin/python" ]; then
+  mkdir -p "$VENV"
+  free_kib=$(df -Pk "$VENV" | awk 'NR==2 {print $4}')
+  if [ "$free_kib" -lt $((NEED_GIB * 1024 * 1024)) ]; then
+    echo "setup: $(cd "$VENV" && pwd) has $((free_kib / 1024 / 1024)) GiB free; a new venv needs ~${NEED_GIB} GiB" \
+         "(INFLIGHT_SETUP_NEED_GIB overrides). Free disk space, e.g. old clones' .venv folders, and run again." >&2
+    rmdir "$VENV" 2>/dev/null || true
+    exit 1
+  fi
+  "$PY" -m venv "$VENV"
+fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade "pip>=24"
 # 1. torch first: the CPU build lies on this machine's disk; anything else would pull CUDA.
