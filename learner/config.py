@@ -72,7 +72,8 @@ class MegatronConfig(ConfigModel):
     Nemotron-H's squared-ReLU layers ignore it."""
     moe_grouped_gemm: bool = False
     """MoE experts as grouped GEMMs (learner.grouped_experts: torch._grouped_mm over all of a rank's experts)
-    instead of Megatron's loop of per-expert GEMMs; Megatron's name. Dense and hybrid models ignore it."""
+    instead of Megatron's loop of per-expert GEMMs; Megatron's name. Qwen3-MoE's SwiGLU and Nemotron-H's
+    squared-ReLU experts; dense models ignore it."""
     freeze_moe_router: bool = False
     """Keep the MoE router's weights fixed (NeMo-RL's GRPO default: a trained router lets the engines' expert
     choice drift from the learner's); no effect on a dense model."""

@@ -27,7 +27,7 @@ from learner.hf_weights import (
     ParallelLayout,
 )
 from learner.hybrid_weights import hybrid_tensors_from_shards
-from learner.omni_weights import VISUAL, omni_tensors_from_shards, omni_tower_tensors, untrained_tensors
+from learner.omni_weights import LM_PREFIX, VISUAL, omni_tensors_from_shards, omni_tower_tensors, untrained_tensors
 from learner.pipeline_weights import TIED_OUTPUT, gather_from_stages, is_stage_root, stage_weight_tensors
 from protocol.messages import WeightBucket, WeightManifest
 from protocol.weights import pack_buckets
@@ -137,8 +137,9 @@ def export_hf_state_dict(model: torch.nn.Module, arch: HFArchitecture, metas: li
         if em and grouped_experts.GROUPED.match(em.group(2)):  # stacked experts: every EP rank's stack, in order
             stacks = _all_gather(param.detach(), ep_group)
             if is_root:
-                out.update((k, keep(v)) for k, v in grouped_experts.hf_from_whole(
-                    em.group(2), f"model.layers.{em.group(1)}.", stacks))
+                experts = grouped_experts.HFExperts.of(arch, int(em.group(1)))
+                lm = LM_PREFIX if arch.radio is not None else ""  # a Nano-Omni's language model
+                out.update((lm + k, keep(v)) for k, v in grouped_experts.hf_from_whole(em.group(2), experts, stacks))
             continue
         local_expert = LOCAL_EXPERT.match(em.group(2)) if em else None
         if local_expert:

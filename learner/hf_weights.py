@@ -145,7 +145,8 @@ def _layer_shard(arch: HFArchitecture, layer: int, rest: str, hf: Callable[[str]
         return hf(p + "mlp.gate.weight")
     if grouped_experts.GROUPED.match(rest):  # policy.megatron_cfg.moe_grouped_gemm: the rank's experts stacked
         per_rank = arch.experts_per_rank(lay.ep_size)
-        return grouped_experts.shard_from_hf(rest, p, hf, lay.ep_rank * per_rank, per_rank)
+        return grouped_experts.shard_from_hf(rest, grouped_experts.HFExperts.of(arch, layer), hf,
+                                             lay.ep_rank * per_rank, per_rank)
     m = LOCAL_EXPERT.match(rest)
     if m:
         expert = lay.ep_rank * arch.experts_per_rank(lay.ep_size) + int(m.group(1))

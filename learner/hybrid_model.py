@@ -7,7 +7,8 @@ loss); what it cannot run here is replaced. Its ``mamba_stack_spec`` is Transfor
 
 - :func:`hybrid_stack_spec`: per layer type, the local spec's modules — attention (``SelfAttention``
   with ``DotProductAttention``, no RoPE), MLP (``MLPLayer``), MoE (``MoELayer``: ``SequentialMLP``
-  experts, a shared expert, the sigmoid router) — and a ``MambaLayer`` with a local RMSNorm and
+  experts, or :class:`~learner.grouped_experts.GroupedExperts` with ``moe_grouped_gemm``, a shared expert, the
+  sigmoid router) — and a ``MambaLayer`` with a local RMSNorm and
   :class:`~learner.mamba_mixer.TorchMambaMixer`;
 - :class:`HybridStack` builds one layer per pattern symbol (names as ``MambaStack``'s:
   ``decoder.layers.i.*``, ``decoder.final_norm``) and gives the Mamba layers the packed sequences'
@@ -94,9 +95,11 @@ def hybrid_transformer_config(arch: HFArchitecture, megatron: MegatronConfig) ->
         **recompute, **moe)
 
 
-def hybrid_stack_spec(arch: HFArchitecture, core_attention: type | None = None) -> ModuleSpec:
+def hybrid_stack_spec(arch: HFArchitecture, core_attention: type | None = None,
+                      grouped_experts: bool = False) -> ModuleSpec:
     """The :class:`HybridStack` spec: local (no TE) modules per layer type (see the module docstring);
-    ``core_attention``: the attention layers' core (None: the local spec's ``DotProductAttention``)."""
+    ``core_attention``: the attention layers' core (None: the local spec's ``DotProductAttention``);
+    ``grouped_experts``: the MoE layers' experts as :class:`~learner.grouped_experts.GroupedExperts`."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.mamba_block import MambaStackSubmodules
@@ -129,7 +132,15 @@ def hybrid_stack_spec(arch: HFArchitecture, core_attention: type | None = None) 
                                             normalization="RMSNorm").submodules
         if not isinstance(moe_spec, TransformerLayerSubmodules):
             raise TypeError(f"Megatron's local MoE layer spec has submodules {type(moe_spec).__name__}")
-        moe = replace(mlp, mlp=moe_spec.mlp)
+        moe_mlp = moe_spec.mlp
+        if grouped_experts:
+            from learner.grouped_experts import GroupedExperts
+
+            if not isinstance(moe_mlp, ModuleSpec) or not is_dataclass(moe_mlp.submodules):
+                raise TypeError("Megatron's local MoE layer spec has no MoE submodules to set the experts in")
+            moe_mlp = replace(moe_mlp, submodules=replace(moe_mlp.submodules,  # pyright: ignore[reportArgumentType]
+                                                          experts=ModuleSpec(module=GroupedExperts)))
+        moe = replace(mlp, mlp=moe_mlp)
     mixer = ModuleSpec(module=TorchMambaMixer,
                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
                        params=dict(d_conv=h.conv_kernel, conv_bias=h.use_conv_bias, chunk_size=h.chunk_size,
@@ -222,7 +233,8 @@ def build_hybrid_model(arch: HFArchitecture, megatron: MegatronConfig,
     config = hybrid_transformer_config(arch, megatron)
     if arch.is_moe:
         define_missing_te_symbols()
-    model = HybridModel(config=config, mamba_stack_spec=hybrid_stack_spec(arch, core_attention),
+    model = HybridModel(config=config, mamba_stack_spec=hybrid_stack_spec(arch, core_attention,
+                                                                        megatron.moe_grouped_gemm),
                         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                         hybrid_override_pattern=_hybrid(arch).pattern, pre_process=True, post_process=True,
                         parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,

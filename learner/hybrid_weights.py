@@ -15,7 +15,8 @@ pre-norm ``norm`` and one ``mixer``) maps by its pattern symbol:
 - ``-``: ``norm`` → ``pre_mlp_layernorm``; ``up_proj``/``down_proj`` → ``mlp.linear_fc1``/``linear_fc2``;
 - ``E``: ``norm`` → ``pre_mlp_layernorm``; ``gate.weight`` → ``mlp.router.weight``; ``gate.e_score_correction_bias``
   → ``mlp.router.expert_bias``; ``experts.e.{up,down}_proj`` → ``mlp.experts.local_experts.j.linear_fc{1,2}``
-  (e = ep_rank·E/EP + j); ``shared_experts.{up,down}_proj`` → ``mlp.shared_experts.linear_fc{1,2}``.
+  (e = ep_rank·E/EP + j), or with ``moe_grouped_gemm`` → the rank's ``mlp.experts.weight{1,2}`` stacks
+  (:mod:`learner.grouped_experts`); ``shared_experts.{up,down}_proj`` → ``mlp.shared_experts.linear_fc{1,2}``.
 
 Embedding ``backbone.embeddings``, final norm ``backbone.norm_f``, ``lm_head``. The table: docs/learner.md.
 """
@@ -101,6 +102,7 @@ def _chunk(t: torch.Tensor, parts: int, index: int, dim: int) -> torch.Tensor:
 def hybrid_shard_from_hf(name: str, arch: HFArchitecture, hf: Callable[[str], torch.Tensor],
                          tp_size: int, tp_rank: int, ep_rank: int, ep_size: int) -> torch.Tensor:
     """The value of Megatron tensor ``name`` (parameter or weight buffer) on the given TP/EP rank."""
+    from learner.grouped_experts import GROUPED, HFExperts, shard_from_hf
     from learner.hf_weights import _qkv_full
 
     if name == "embedding.word_embeddings.weight":
@@ -130,6 +132,9 @@ def hybrid_shard_from_hf(name: str, arch: HFArchitecture, hf: Callable[[str], to
         if rest in _SPLIT_ROWS:
             return _chunk(t, tp_size, tp_rank, 0)
         return _chunk(t, tp_size, tp_rank, 1) if rest in _SPLIT_COLS else t
+    if symbol == "E" and GROUPED.match(rest):  # policy.megatron_cfg.moe_grouped_gemm: the rank's experts stacked
+        per_rank = arch.experts_per_rank(ep_size)
+        return shard_from_hf(rest, HFExperts.of(arch, i), hf, ep_rank * per_rank, per_rank)
     em = _EXPERT.match(rest)
     if symbol == "E" and em:
         expert = ep_rank * arch.experts_per_rank(ep_size) + int(em.group(1))

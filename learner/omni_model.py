@@ -71,7 +71,8 @@ def build_omni_model(arch: HFArchitecture, megatron: MegatronConfig, core_attent
     config = hybrid_transformer_config(arch, megatron)
     if arch.is_moe:
         define_missing_te_symbols()
-    model = OmniHybridModel(config=config, mamba_stack_spec=hybrid_stack_spec(arch, core_attention),
+    model = OmniHybridModel(config=config, mamba_stack_spec=hybrid_stack_spec(arch, core_attention,
+                                                                            megatron.moe_grouped_gemm),
                             vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                             hybrid_override_pattern=arch.hybrid.pattern, pre_process=True, post_process=True,
                             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,

@@ -47,7 +47,8 @@ PATCH = 16
 @dataclass(frozen=True)
 class OmniSize:
     """One size of the tiny Nano-Omni: the vision tower's and projector's dimensions and the image patch budget
-    (the language model is :data:`services.models.tiny_model.SIZES`' of the same name, dense Nemotron-H)."""
+    (the language model is :data:`services.models.tiny_model.SIZES`' of the same name, a dense Nemotron-H, or
+    with ``make_tiny_omni(moe=True)`` one with MoE layers as Nemotron 3 Nano's)."""
 
     vision_hidden_size: int
     vision_layers: int
@@ -78,7 +79,8 @@ OMNI_CHAT_TEMPLATE = _CONTENT_MACRO + CHAT_TEMPLATE.replace("{{ m['content'] }}"
 """The tiny model's ChatML template; an image part renders as ``<image>`` (the processor's placeholder)."""
 
 
-def _config(dims: OmniSize, tok, ids: dict[str, int], vocab: int, max_positions: int, init_std: float):
+def _config(dims: OmniSize, tok, ids: dict[str, int], vocab: int, max_positions: int, init_std: float,
+            moe: bool = False):
     import transformers as tf
 
     text_dims = SIZES["tiny"]
@@ -88,7 +90,7 @@ def _config(dims: OmniSize, tok, ids: dict[str, int], vocab: int, max_positions:
         max_position_embeddings=max_positions, rope_parameters={}, tie_word_embeddings=False,
         initializer_range=init_std, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
         rms_norm_eps=1e-6)
-    text = _nemotron_h_config("nemotron_h", text_dims, common)
+    text = _nemotron_h_config("nemotron_h_moe" if moe else "nemotron_h", text_dims, common)
     vision = tf.RadioConfig(
         hidden_size=dims.vision_hidden_size, num_hidden_layers=dims.vision_layers,
         num_attention_heads=dims.vision_heads, mlp_ratio=4.0, patch_size=PATCH, max_img_size=dims.cpe_max_size,
@@ -103,8 +105,9 @@ def _config(dims: OmniSize, tok, ids: dict[str, int], vocab: int, max_positions:
 
 
 def make_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, size: str = "tiny", dtype: str = "float32",
-                   max_positions: int = 2048, init_std: float = 0.2) -> Path:
-    """Write a random-init Nano-Omni (no audio tower) + tokenizer to ``out_dir`` and return it.
+                   max_positions: int = 2048, init_std: float = 0.2, moe: bool = False) -> Path:
+    """Write a random-init Nano-Omni (no audio tower) + tokenizer to ``out_dir`` and return it; ``moe``: its
+    language model has MoE layers (``tiny_model.HYBRID_PATTERNS['nemotron_h_moe']``), as the seed's has.
 
     Deterministic for a seed (the tokenizer is always the seed-0 one). The norms, Mamba ``A_log`` / ``D`` move
     off their init constants (as :func:`services.models.tiny_model.make_tiny_model` does) so a loader that drops
@@ -117,7 +120,7 @@ def make_tiny_omni(out_dir: str | os.PathLike, seed: int = 0, size: str = "tiny"
     dims = OMNI_SIZES[size]
     out = Path(out_dir)
     tok, ids, vocab = media_tokenizer(out, MEDIA_TOKENS, OMNI_CHAT_TEMPLATE, dtype, init_std)
-    cfg = _config(dims, tok, ids, vocab, max_positions, init_std)
+    cfg = _config(dims, tok, ids, vocab, max_positions, init_std, moe)
     torch.manual_seed(seed)
     model = NemotronH_Omni_Reasoning_V3(cfg)
     _perturb_hybrid(model.language_model, torch.Generator().manual_seed(seed))

@@ -10,23 +10,24 @@ from protocol.messages import Trajectory, TrajectoryGroup
 VOCAB = 448
 
 
-def sequences(n: int, seed: int = 0, prompt_len=(4, 12), response_len=(3, 20)):
+def sequences(n: int, seed: int = 0, prompt_len=(4, 12), response_len=(3, 20), vocab: int = VOCAB):
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, VOCAB, rng.integers(*prompt_len)).astype(np.int32) for _ in range(n)]
-    responses = [rng.integers(3, VOCAB, rng.integers(*response_len)).astype(np.int32) for _ in range(n)]
+    prompts = [rng.integers(3, vocab, rng.integers(*prompt_len)).astype(np.int32) for _ in range(n)]
+    responses = [rng.integers(3, vocab, rng.integers(*response_len)).astype(np.int32) for _ in range(n)]
     return prompts, responses
 
 
-def groups(learner, num_groups: int = 3, group_size: int = 4, seed: int = 0) -> list[TrajectoryGroup]:
+def groups(learner, num_groups: int = 3, group_size: int = 4, seed: int = 0,
+           vocab: int = VOCAB) -> list[TrajectoryGroup]:
     """On-policy groups: log-probs from the learner itself, rewards that vary inside each group."""
     rng = np.random.default_rng(seed)
     out = []
     for g in range(num_groups):
-        prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
-        responses = [rng.integers(3, VOCAB, rng.integers(4, 16)).astype(np.int32) for _ in range(group_size)]
+        prompt = rng.integers(3, vocab, 6).astype(np.int32)
+        responses = [rng.integers(3, vocab, rng.integers(4, 16)).astype(np.int32) for _ in range(group_size)]
         lps = learner.logprobs([prompt] * group_size, responses)
         trajs = [Trajectory(r, lp, np.zeros(r.size), float(i % 2)) for i, (r, lp) in enumerate(zip(responses, lps))]
-        out.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, group_size, VOCAB))
+        out.append(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, group_size, vocab))
     return out
 
 

@@ -1,13 +1,17 @@
-"""MoE experts as grouped GEMMs (policy.megatron_cfg.moe_grouped_gemm) on the tiny Qwen3-MoE, float32 on CPU: the
-same log-probs, loss, gradient norm and updated weights as Megatron's per-expert loop (SequentialMLP), and an
-export equal to the source checkpoint bit for bit; with EP = 2 in two gloo processes too."""
+"""MoE experts as grouped GEMMs (policy.megatron_cfg.moe_grouped_gemm), float32 on CPU, on the tiny Qwen3-MoE
+(SwiGLU experts), a tiny Nemotron-H and a tiny Nano-Omni (squared-ReLU experts): the same log-probs, loss, gradient
+norm and updated weights as Megatron's per-expert loop (SequentialMLP), and an export equal to the source checkpoint
+bit for bit; with EP = 2 in two gloo processes too (Qwen3-MoE, Nemotron-H)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gloo_ranks import become_rank, run_ranks
-from learner_batches import groups, sequences
+from learner_batches import VOCAB, groups, sequences
+from nemotron_h_models import MOE_PATTERN, build_nemotron_h
 from safetensors.torch import load_file
 
 LR = 3e-3
@@ -23,11 +27,16 @@ def _learner(model_dir: str, grouped: bool, ep: int = 1):
     return Learner(model_dir, megatron, LossConfig(), SequencePackingConfig(train_mb_tokens=64), 64)
 
 
+def _text_vocab(learner) -> int:
+    """Token ids to draw from: the model's, below the tiny tokenizers' media tokens (a Nano-Omni's follow its text)."""
+    return min(learner.arch.vocab_size, VOCAB)
+
+
 def _run(learner, batch) -> dict:
     from learner.hf_export import export_hf_state_dict
 
     initial = export_hf_state_dict(learner.gpt, learner.arch, learner.hf_metas)
-    lps = learner.logprobs(*sequences(4, seed=9))
+    lps = learner.logprobs(*sequences(4, seed=9, vocab=_text_vocab(learner)))
     metrics = learner.train_step(batch)
     state = export_hf_state_dict(learner.gpt, learner.arch, learner.hf_metas)
     return {"initial": initial, "logprobs": lps, "metrics": metrics, "state": state}
@@ -58,22 +67,43 @@ def _same(got: dict, want: dict, source: dict) -> None:
     assert (diffs > 1e-5).float().mean() < 1e-3, f"{int((diffs > 1e-5).sum())} of {diffs.numel()} differ"
 
 
-def test_grouped_experts_equal_the_per_expert_loop(tiny_moe_dir, tmp_path):
-    loop = _learner(tiny_moe_dir, grouped=False)
-    batch = groups(loop, num_groups=2, group_size=4, seed=4)
+@pytest.fixture(scope="module")
+def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, str]:
+    """A checkpoint per family of experts: Qwen3-MoE (SwiGLU), Nemotron-H and Nano-Omni (squared ReLU)."""
+    from services.models.tiny_omni import make_tiny_omni
+
+    root = tmp_path_factory.mktemp("grouped")
+    return {"qwen3_moe": tiny_moe_dir, "nemotron_h": str(build_nemotron_h(root / "nemotron_h", MOE_PATTERN, seed=5)),
+            "nano_omni": str(make_tiny_omni(root / "omni", seed=1, moe=True))}
+
+
+def _source(model_dir: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h", "nano_omni"])
+def test_grouped_experts_equal_the_per_expert_loop(moe_dirs, family, tmp_path):
+    model_dir = moe_dirs[family]
+    loop = _learner(model_dir, grouped=False)
+    assert loop.arch.is_moe and (loop.arch.hybrid is None) == (family == "qwen3_moe")
+    batch = groups(loop, num_groups=2, group_size=4, seed=4, vocab=_text_vocab(loop))
     want = _run(loop, batch)
     assert any(".local_experts." in n for n, _ in loop.gpt.named_parameters())
     loop.shutdown()
-    grouped = _learner(tiny_moe_dir, grouped=True)
+    grouped = _learner(model_dir, grouped=True)
     names = [n for n, _ in grouped.gpt.named_parameters()]
     assert not any(".local_experts." in n for n in names) and any(n.endswith("mlp.experts.weight1") for n in names)
     got = _run(grouped, batch)
     grouped.shutdown()
-    source = load_file(f"{tiny_moe_dir}/model.safetensors")
+    source = _source(model_dir)
     _same(got, want, source)
     moved = torch.cat([(want["state"][n] - source[n]).abs().reshape(-1) for n in source if ".experts." in n])
     assert (moved > 1e-4).float().mean() > 0.5  # the experts trained: the comparison above means something
 
-    out = str(tmp_path / "rank0.pt")
-    run_ranks(_worker, tiny_moe_dir, batch, out, world=2, timeout_s=240.0, what="grouped experts, EP=2")
-    _same(torch.load(out, weights_only=False), want, source)
+    if family != "nano_omni":  # the same language model as Nemotron-H's; EP of the tower adds nothing
+        out = str(tmp_path / "rank0.pt")
+        run_ranks(_worker, model_dir, batch, out, world=2, timeout_s=240.0, what=f"grouped experts, EP=2 ({family})")
+        _same(torch.load(out, weights_only=False), want, source)

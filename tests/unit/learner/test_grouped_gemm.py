@@ -2,9 +2,10 @@
 experts included), and the stacked weights map to and from the HF experts exactly."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from learner.grouped_experts import grouped_mm, hf_from_whole, shard_from_hf
+from learner.grouped_experts import HFExperts, grouped_mm, hf_from_whole, shard_from_hf
 
 
 def test_grouped_mm_equals_the_per_expert_loop_with_gradients():
@@ -24,18 +25,37 @@ def test_grouped_mm_equals_the_per_expert_loop_with_gradients():
     assert gw[1].abs().max() == 0  # the empty expert gets no gradient
 
 
-def test_stacked_weights_map_to_and_from_the_hf_experts():
+@pytest.mark.parametrize("experts", [HFExperts("model.layers.1.mlp.experts.", ("gate_proj", "up_proj")),
+                                     HFExperts("backbone.layers.1.mixer.experts.", ("up_proj",))],
+                         ids=["swiglu", "squared_relu"])
+def test_stacked_weights_map_to_and_from_the_hf_experts(experts):
     gen = torch.Generator().manual_seed(1)
     hf = {}
     for e in range(4):
-        for name, shape in (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))):
-            hf[f"model.layers.1.mlp.experts.{e}.{name}.weight"] = torch.randn(shape, generator=gen)
-    p = "model.layers.1."
-    w1 = [shard_from_hf("mlp.experts.weight1", p, hf.__getitem__, 2 * r, 2) for r in range(2)]  # EP = 2
-    w2 = [shard_from_hf("mlp.experts.weight2", p, hf.__getitem__, 2 * r, 2) for r in range(2)]
-    assert w1[0].shape == (2, 12, 8) and w2[1].shape == (2, 8, 6)
-    assert torch.equal(w1[1][0, :6], hf["model.layers.1.mlp.experts.2.gate_proj.weight"])
-    back = dict(hf_from_whole("mlp.experts.weight1", p, w1) + hf_from_whole("mlp.experts.weight2", p, w2))
+        for name, shape in [(proj, (6, 8)) for proj in experts.fc1] + [("down_proj", (8, 6))]:
+            hf[f"{experts.prefix}{e}.{name}.weight"] = torch.randn(shape, generator=gen)
+    w1 = [shard_from_hf("mlp.experts.weight1", experts, hf.__getitem__, 2 * r, 2) for r in range(2)]  # EP = 2
+    w2 = [shard_from_hf("mlp.experts.weight2", experts, hf.__getitem__, 2 * r, 2) for r in range(2)]
+    assert w1[0].shape == (2, 6 * len(experts.fc1), 8) and w2[1].shape == (2, 8, 6)
+    assert torch.equal(w1[1][0, :6], hf[f"{experts.prefix}2.{experts.fc1[0]}.weight"])
+    back = dict(hf_from_whole("mlp.experts.weight1", experts, w1) + hf_from_whole("mlp.experts.weight2", experts, w2))
     assert back.keys() == hf.keys()
     for name, t in hf.items():
         assert torch.equal(back[name], t), name
+
+
+def test_hf_experts_of_each_family():
+    from dataclasses import replace
+
+    from learner.hf_config import HFArchitecture
+    from learner.nemotron_h_config import HybridSpec
+
+    gpt = HFArchitecture(model_type="qwen3_moe", vocab_size=16, hidden_size=8, num_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=2, intermediate_size=12, rms_norm_eps=1e-6, rope_theta=1e4,
+                         max_position_embeddings=32, tie_word_embeddings=False, qkv_bias=False, qk_norm=True,
+                         num_experts=4, moe_top_k=2, moe_intermediate_size=6)
+    hybrid = replace(gpt, model_type="nemotron_h", hybrid=HybridSpec(
+        pattern="ME*E", mamba_num_heads=2, mamba_head_dim=4, ssm_state_size=4, n_groups=1, conv_kernel=4,
+        chunk_size=8, use_conv_bias=True))
+    assert HFExperts.of(hybrid, 3) == HFExperts("backbone.layers.3.mixer.experts.", ("up_proj",))
+    assert HFExperts.of(gpt, 3) == HFExperts("model.layers.3.mlp.experts.", ("gate_proj", "up_proj"))
