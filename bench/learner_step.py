@@ -42,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -49,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.kernel_profile, run as a script
 
 from services.models.tiny_model import ARCHS
 
