@@ -8,8 +8,10 @@
 #   bash bench/gpu_learner.sh BEFORE_AFTER  # the attention tests on the GPU, then 4B and 0.6B at 8K: the old
 #                                      # default (sdpa, no fusions) against the new (sdpa_batched reading one-sequence
 #                                      # buckets as views, fused AdamW, SwiGLU and entropy)
+#   bash bench/gpu_learner.sh HYBRID   # the Nemotron-H shape (nemotron-h-2b) with its experts as Megatron's loop and
+#                                      # as grouped GEMMs, --profile: at 4K (fits an H100), and at 8K on an H200
 set -u
-PHASE=${1:?phase: FUSIONS or BEFORE_AFTER}
+PHASE=${1:?phase: FUSIONS, BEFORE_AFTER or HYBRID}
 OUT=${OUT:-bench/results/gpu_learner}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lsite .carry/learner_whl/*.whl \
@@ -48,6 +50,10 @@ case "$PHASE" in
       --out "$OUT/qwen3_06b_before.json"
     step qwen3_06b_after 80 $LS --steps 3 --shape qwen3-0.6b --tokens-per-mb 2 --backends auto --fusions all \
       --out "$OUT/qwen3_06b_after.json" ;;
+  HYBRID)
+    LS="python3 bench/learner_step.py --no-two-step --steps 3 --shape nemotron-h-2b --experts loop,grouped --chunk 2048"
+    step nemotron_h_4k 200 $LS --mb-tokens 4096 --tokens-per-mb 2 --profile --out "$OUT/nemotron_h_4k.json"
+    [ "$gib" -gt 100000 ] && step nemotron_h_8k 200 $LS --mb-tokens 8192 --tokens-per-mb 2 --out "$OUT/nemotron_h_8k.json" ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 echo "done after $(( $(date +%s) - start ))s"
