@@ -91,8 +91,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 @dataclass(frozen=True)
 class HFExperts:
-    """Where one MoE layer's experts lie in an HF checkpoint (a Nano-Omni's: under ``language_model.``), and which
-    of their projections ``weight1`` stacks."""
+    """Where one MoE layer's experts lie in an HF checkpoint's language model (a Nano-Omni's lies under
+    ``language_model.``, which its callers add), and which of their projections ``weight1`` stacks."""
 
     prefix: str
     """The experts' common prefix, e.g. ``model.layers.3.mlp.experts.`` (expert ``e``: ``{prefix}{e}.``)."""
