@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store, TCPStore  # pyright: ignore[reportPrivateImportUsage] -- public API
 
 from learner.config import MegatronConfig
 from learner.hf_config import HFArchitecture, Llama3RopeScaling
@@ -38,32 +38,44 @@ if TYPE_CHECKING:
 DIST_INIT_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def open_rendezvous_store(world_size: int) -> TCPStore:
+    """Rank 0's rendezvous store, listening at once on a port the OS picks (``.port``): held open from the moment
+    the port is chosen, so no other process can take it before the ranks meet (a port found free and closed
+    again could be: EADDRINUSE under load)."""
+    return TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S),
+                    wait_for_workers=False)
+
+
+def join_process_group(store: Store | None = None) -> None:
+    """Join ``torch.distributed`` once per process (gloo on CPU, NCCL on GPU) as rank RANK of WORLD_SIZE (a
+    single-process world without them). The ranks meet at ``store`` (rank 0's, from :func:`open_rendezvous_store`),
+    else at MASTER_ADDR/MASTER_PORT (the other ranks), else, alone, at a store of its own."""
+    from learner.cpu_compat import has_gpu
+
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if store is None and "MASTER_PORT" in os.environ:  # every rank then passes a store: torch prefixes only its own
+        store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0, timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S), wait_for_workers=False)
+    elif store is None:
+        store = open_rendezvous_store(world)
+    if has_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if has_gpu() else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S), store=store)
 
 
 def init_distributed(megatron: MegatronConfig, seed: int) -> None:
-    """Initialise torch.distributed and Megatron's parallel state once per process.
-
-    Uses RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment when set
-    (one process per rank, e.g. Ray actors); otherwise a single-process world
-    on a free local port. gloo on CPU, NCCL on GPU."""
+    """Initialise torch.distributed (:func:`join_process_group`, unless the process has joined already) and
+    Megatron's parallel state once per process."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from learner.cpu_compat import apply_if_no_gpu, has_gpu
+    from learner.cpu_compat import apply_if_no_gpu
 
     apply_if_no_gpu()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if has_gpu():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if has_gpu() else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=DIST_INIT_TIMEOUT_S))
+    join_process_group()
     limit_gpu_memory(megatron)  # before the first allocation of the model
     tp, ep = megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size
     pp = megatron.pipeline_model_parallel_size

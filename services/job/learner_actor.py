@@ -71,23 +71,30 @@ class LearnerActor:
         self._weight_group = None
         self._staged = None
         self._ipc: IpcExporter | None = None  # rank 0's exported buckets, made at its first export_ipc
+        self._rendezvous: Any = None  # rank 0's store, open from rendezvous_address until setup joins it
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0: this node's IP and a port free on it, where the ranks meet (``MASTER_ADDR``/``_PORT``)."""
+        """Rank 0: this node's IP and the port of the rendezvous store it opens now (``MASTER_ADDR``/``_PORT``
+        of the other ranks): listening from the moment the port is chosen, so nothing else can take it."""
         import ray
 
-        from services.cluster.head import free_port
+        from learner.model import open_rendezvous_store
 
-        return ray.util.get_node_ip_address(), free_port()
+        self._rendezvous = open_rendezvous_store(self.world_size)
+        return ray.util.get_node_ip_address(), self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the ranks at ``master_addr:master_port`` and build the learner from the model's files (shipped
         to this node if it does not have them, :mod:`services.models.files`); returns the policy version."""
+        from learner.model import join_process_group
         from learner.trainer import Learner
         from services.models.files import ensure_local
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if self._rendezvous is not None:  # rank 0 meets the others at the store it holds
+            store, self._rendezvous = self._rendezvous, None
+            join_process_group(store)
         s = self.spec
         self.learner = Learner(ensure_local(s.model), s.megatron, s.loss, s.packing, s.max_total_sequence_length,
                                normalize_rewards=s.normalize_rewards, seed=s.seed, step_config=s.step_config,
@@ -211,8 +218,9 @@ class LearnerActor:
 
 
 def start_ranks(actors: list, wait: Callable[[list, str], Any]) -> tuple[str, int]:
-    """Meet the ranks where rank 0 runs: ask rank 0 for its node's IP and a port free there, then set every
-    rank up with that address (the driver's node may be another one). ``wait(refs, what)`` resolves refs."""
+    """Meet the ranks where rank 0 runs: ask rank 0 for its node's IP and the port of the rendezvous store it
+    opens there, then set every rank up with that address (the driver's node may be another one).
+    ``wait(refs, what)`` resolves refs."""
     host, port = wait([actors[0].rendezvous_address.remote()], "rendezvous_address")
     wait([a.setup.remote(host, port) for a in actors], "setup")
     return host, port

@@ -41,17 +41,22 @@ def test_ranks_meet_at_the_address_rank_zero_reports_for_its_own_node(monkeypatc
     assert seen == ["rendezvous_address", "setup"]                 # the address first, then every rank's setup
 
 
-def test_rank_zero_reports_its_nodes_ip_and_a_free_port(monkeypatch):
+def test_rank_zero_reports_its_nodes_ip_and_the_port_of_the_store_it_holds_open(monkeypatch):
     import socket
 
     import ray
+    import torch.distributed as dist
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
     spec = LearnerSpec.of(load_recipe(None, []), "model-dir")
-    host, port = LearnerActor(0, 2, spec).rendezvous_address()
+    rank0 = LearnerActor(0, 2, spec)
+    host, port = rank0.rendezvous_address()
     assert host == "10.0.0.7"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))                                # free on this node
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", port))                                # taken from the moment it was chosen: by the store
+    other = dist.TCPStore("127.0.0.1", port, 2, is_master=False)   # which the other ranks reach
+    other.set("rank1", "here")
+    assert rank0._rendezvous.get("rank1") == b"here"
 
 
 def test_a_local_model_dir_is_used_as_is(tmp_path):
