@@ -28,6 +28,7 @@ from services.refit.learner_port import ExportedWeights, IpcExport, SentPush
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] -- public API
 
     from learner.ipc_export import IpcExporter
     from learner.trainer import Learner
@@ -71,7 +72,7 @@ class LearnerActor:
         self._weight_group = None
         self._staged = None
         self._ipc: IpcExporter | None = None  # rank 0's exported buckets, made at its first export_ipc
-        self._rendezvous: Any = None  # rank 0's store, open from rendezvous_address until setup joins it
+        self._rendezvous: TCPStore | None = None  # rank 0's store, open from rendezvous_address until setup joins it
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and the port of the rendezvous store it opens now (``MASTER_ADDR``/``_PORT``
