@@ -100,32 +100,49 @@ def named_views(manifest: WeightManifest, buckets: list[torch.Tensor]) -> list[t
     return out
 
 
+def open_sender_store(timeout_s: float = 300.0) -> TCPStore:
+    """Rank 0's store, listening at once on a port the OS picks (``.port``): held open from the moment the port is
+    chosen until :class:`WeightTransferGroup` takes it, so no other process can take the port between (a port
+    found free and closed again could be: EADDRINUSE under load)."""
+    return TCPStore("0.0.0.0", 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
+
+
 class WeightTransferGroup:
     """One learner (rank 0) and its engines, joined for pushing weights GPU to GPU."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device | str,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, store: TCPStore | None = None):
+        """``store``: rank 0's, already listening at ``host:port`` (:func:`open_sender_store`); without it rank 0
+        opens one there and waits for every member to reach it."""
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: expected 0 <= rank < world_size, "
                              f"world_size >= 2")
+        if store is not None and rank != 0:
+            raise ValueError(f"rank {rank}: only rank 0 hosts the group's store; the others reach it at host:port")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                                        wait_for_workers=True)
+            self._store = store if store is not None else TCPStore(
+                host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
         except (RuntimeError, dist.DistStoreError) as exc:
             raise WeightTransferError(f"weight transfer rank {rank}: could not reach the group's store at "
                                       f"{host}:{port} within {timeout_s:g}s: {exc}") from exc
+        self._store.set_timeout(timeout)
         pg_store = PrefixStore("pg", self._store)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(pg_store, rank, world_size, opts)
-        else:
-            self._pg = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(pg_store, rank, world_size, opts)
+            else:
+                self._pg = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise WeightTransferError(f"weight transfer rank {rank}: the group of {world_size} at {host}:{port} "
+                                      f"did not form within {timeout_s:g}s: {exc}") from exc
         self._pushes = 0
         self._staging: list[torch.Tensor] = []
         self._broadcast(torch.zeros(1, device=self.device)).wait()

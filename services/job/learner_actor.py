@@ -73,6 +73,7 @@ class LearnerActor:
         self._staged = None
         self._ipc: IpcExporter | None = None  # rank 0's exported buckets, made at its first export_ipc
         self._rendezvous: TCPStore | None = None  # rank 0's store, open from rendezvous_address until setup joins it
+        self._weight_store: TCPStore | None = None  # rank 0's, open from weight_group_address until the group forms
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and the port of the rendezvous store it opens now (``MASTER_ADDR``/``_PORT``
@@ -126,22 +127,31 @@ class LearnerActor:
         return ExportedWeights(encode(manifest), [ray.put(encode(b)) for b in buckets])
 
     def weight_group_address(self) -> tuple[str, int] | None:
-        """Rank 0: where it will host the weight group's store (this node's address, a free port)."""
+        """Rank 0: where it hosts the weight group's store (this node's address; the port of a store it opens now
+        and holds until :meth:`join_weight_group`)."""
         import ray
 
-        from services.cluster.head import free_port
+        from protocol.weight_transfer import open_sender_store
 
-        return (ray.util.get_node_ip_address(), free_port()) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        self._weight_store = open_sender_store()
+        return ray.util.get_node_ip_address(), self._weight_store.port
 
     def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """Rank 0: open the weight group as its sender (returns once every engine worker joined)."""
+        """Rank 0: open the weight group as its sender at the store :meth:`weight_group_address` opened (returns
+        once every engine worker joined)."""
         from protocol.weight_transfer import WeightTransferGroup
 
         if self.rank != 0:
             return
         self.leave_weight_group()
-        device = self.learner.device
-        self._weight_group = WeightTransferGroup(host, port, 0, world_size, device, timeout_s)
+        store, self._weight_store = self._weight_store, None
+        if store is None or store.port != port:
+            raise RuntimeError(f"learner rank 0 holds no weight-group store at port {port} "
+                               f"(weight_group_address names the port; call it first)")
+        self._weight_group = WeightTransferGroup(host, port, 0, world_size, self.learner.device, timeout_s,
+                                                 store=store)
 
     def leave_weight_group(self) -> None:
         group, self._weight_group = self._weight_group, None

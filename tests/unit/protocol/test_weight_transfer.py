@@ -90,3 +90,43 @@ def test_roles_are_enforced():
     results = _run_pair(lambda g: g.recv(), lambda g: g.send(1, [], 4096))
     assert isinstance(results[0], WeightTransferError) and "only rank 0 sends" not in str(results[0])
     assert isinstance(results[1], WeightTransferError) and "only rank 0 sends" in str(results[1])
+
+
+def test_rank_zero_holds_its_store_port_from_the_moment_it_names_it_and_the_group_forms_there():
+    from protocol.weight_transfer import open_sender_store
+
+    store = open_sender_store(timeout_s=30.0)
+    with socket.socket() as s, pytest.raises(OSError):  # nobody else can take the port it handed out
+        s.bind(("0.0.0.0", store.port))
+    tensors = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4))]
+    results: dict = {}
+
+    def side(rank):
+        try:
+            group = WeightTransferGroup("127.0.0.1", store.port, rank, 2, "cpu", timeout_s=30.0,
+                                        store=store if rank == 0 else None)
+            try:
+                results[rank] = group.send(3, tensors, 4096) if rank == 0 else group.recv()
+            finally:
+                group.close()
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            results[rank] = exc
+    threads = [threading.Thread(target=side, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(isinstance(r, Exception) for r in results.values()), results
+    manifest, buckets = results[1]
+    assert manifest == results[0] and manifest.version == 3
+    assert torch.equal(dict(named_views(manifest, buckets))["w"], tensors[0][1])
+
+
+def test_a_held_store_nobody_joins_fails_in_bounded_time_naming_the_group():
+    from protocol.weight_transfer import open_sender_store
+
+    store = open_sender_store()
+    with pytest.raises(WeightTransferError, match=rf"group of 2 at 127.0.0.1:{store.port} did not form within 2s"):
+        WeightTransferGroup("127.0.0.1", store.port, 0, 2, "cpu", timeout_s=2.0, store=store)
+    with pytest.raises(ValueError, match="only rank 0 hosts"):
+        WeightTransferGroup("127.0.0.1", store.port, 1, 2, "cpu", timeout_s=2.0, store=store)
