@@ -18,7 +18,7 @@ from services import pool as pool_api
 from services.cluster import ray_runtime
 from services.console import output as console
 from services.console import progress as startup_progress
-from services.job.learner_actor import LearnerGroup
+from services.job.learner_group import LearnerGroup
 from services.models.variant import resolve_policy_model
 from services.recipe.config import Recipe
 

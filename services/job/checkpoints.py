@@ -27,7 +27,7 @@ from services.job.parity import Sequences
 from services.job.prompt_book import BookState
 
 if TYPE_CHECKING:
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.recipe.config import CheckpointingConfig
 
 METRIC_FILE = "job_metric.json"

@@ -38,7 +38,7 @@ from services.refit import RefitResult, make_refit
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.recipe.config import Recipe
 
 log = logging.getLogger("inflight.job")

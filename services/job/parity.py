@@ -26,7 +26,7 @@ from protocol.pool_replies import EngineStatsReply
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.recipe.config import LoggerConfig
 
 log = logging.getLogger("inflight.parity")

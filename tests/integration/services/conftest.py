@@ -75,3 +75,43 @@ def served(ray_cluster, tmp_path_factory):
     yield recipe, deployed.http, client
     pool_api.shutdown(POOL_NAME)
     agents.stop()
+
+
+class LentLearner:
+    """A session's learner group lent to one test: every call goes to the group except ``shutdown`` (the
+    session ends it), so code that shuts its learner down at the end (``run_learner``) leaves it for the next."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def shutdown(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.group, name)
+
+
+@pytest.fixture(scope="session")
+def fresh_learner(ray_cluster):
+    """``fresh_learner(recipe, model_path)``: a one-rank learner group as a new job finds one (the model's
+    weights, a fresh optimizer, version 0), kept for the session and built again in place for each test
+    (``LearnerGroup.reset``): the rank's Ray worker, torch and Megatron-Core imports and rendezvous are paid
+    once per session. A reset that fails (a test left the rank busy or dead) starts a new group instead."""
+    from services.job.learner_group import LearnerGroup
+
+    kept: list = []
+
+    def lend(recipe, model_path: str) -> LentLearner:
+        assert max(1, recipe.learner_gpus) == 1, "fresh_learner lends one-rank groups"
+        if kept:
+            try:
+                kept[0].reset(recipe, model_path)
+                return LentLearner(kept[0])
+            except Exception:  # noqa: BLE001 - replaced below
+                kept.pop()._release()
+        kept.append(LearnerGroup(recipe, model_path, call_timeout_s=600.0))
+        return LentLearner(kept[0])
+
+    yield lend
+    for group in kept:
+        group.shutdown()

@@ -48,17 +48,17 @@ class RecordingLearner:
         return getattr(self.learner, name)
 
 
-def run_recorded_async(recipe: Recipe, run_dir: Path):
+def run_recorded_async(fresh_learner, recipe: Recipe, run_dir: Path):
     """Run ``recipe`` as an async job on its pool (``rollout_pool.name``: the data pool for :func:`data_recipe`) with
-    a fresh learner; returns the closed job and the recording of what it trained on."""
+    a fresh learner (the session's, built again: the ``fresh_learner`` fixture); returns the closed job and the
+    recording of what it trained on."""
     from services import pool as pool_api
-    from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
     from services.models.source import resolve_model
 
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(recipe, model_path)
+    learner = fresh_learner(recipe, model_path)
     recording = RecordingLearner(learner)
     job = LearnerJob(recipe, model_path, pool_api.connect(recipe.rollout_pool.name), recording,  # type: ignore[arg-type]
                      run_dir, resume=False)

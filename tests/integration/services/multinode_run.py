@@ -42,7 +42,7 @@ def env_of(actor, key: str) -> str:
 
 def run(recipe, handle, files, run_dir: Path, out: dict, key: str) -> None:
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
     from services.models.files import ensure_local
@@ -69,7 +69,7 @@ def main(out_path: str) -> None:
 
     from services import pool as pool_api
     from services.recipe.config import load_recipe
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.models.files import share
     from services.models.source import resolve_model
 

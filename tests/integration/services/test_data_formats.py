@@ -31,14 +31,12 @@ def _write(fmt: str, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def learner(data_pool):
-    from services.job.learner_actor import LearnerGroup
+def learner(data_pool, fresh_learner):
+    """The session's learner, fresh for this module; its tests train it on, one job after another."""
     from services.models.source import resolve_model
 
     model_path = resolve_model(data_pool.policy.model_name)
-    group = LearnerGroup(data_pool, model_path)
-    yield group, model_path
-    group.shutdown()
+    return fresh_learner(data_pool, model_path), model_path
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv", "save_to_disk"])

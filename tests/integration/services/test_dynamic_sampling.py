@@ -14,13 +14,14 @@ from data_pool import data_recipe, run_recorded_async, write_problems
 PER_STEP, MAX_GEN_BATCHES = 4, 2
 
 
-def test_zero_advantage_groups_are_replaced_until_the_bound(data_pool, tmp_path: Path):
+def test_zero_advantage_groups_are_replaced_until_the_bound(data_pool, fresh_learner, tmp_path: Path):
     data = write_problems(tmp_path / "train.jsonl", 64)
     recipe = data_recipe("grpo.max_num_steps=2", "data.dataset_name=null", f"data.train_data_path={data}",
                          "grpo.use_dynamic_sampling=true",
                          f"grpo.dynamic_sampling_max_gen_batches={MAX_GEN_BATCHES}")
-    job, recording = run_recorded_async(recipe, tmp_path / "run")  # async: replacements drawn while the next
-    ledger = job.book.ledger                                          # step's prompts are out
+    # async: replacements drawn while the next step's prompts are out
+    job, recording = run_recorded_async(fresh_learner, recipe, tmp_path / "run")
+    ledger = job.book.ledger
     trained = [[[float(t.reward) for t in g.valid if t.reward is not None] for g in b] for b in recording.batches]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and len(trained) == 2

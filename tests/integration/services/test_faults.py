@@ -38,7 +38,7 @@ import pytest
 from services.job.run_log import StepTimer
 
 from model_weights import model_tensors
-from test_pool_and_loops import rows, scrape, tiny_recipe
+from test_pool_and_loops import rows, run_lent, scrape, tiny_recipe
 
 pytestmark = pytest.mark.fault
 
@@ -214,18 +214,17 @@ def _engine_vs_learner(engine_id: str, learner) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_a_wrong_install_on_one_of_two_engines_is_caught_by_the_probe_and_repaired(pool, tmp_path):
+def test_a_wrong_install_on_one_of_two_engines_is_caught_by_the_probe_and_repaired(pool, fresh_learner, tmp_path):
     """Engine 1 gets scrambled weights after the job's first push; the next probe must look at it (it was
     installed since it was last probed), fail, push again and leave both engines serving the learner's weights."""
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
     from services.models.source import resolve_model
 
     recipe, handle, _ = pool
     run_recipe = tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=1", "checkpointing.enabled=false")
     model_path = resolve_model(recipe.policy.model_name)
     engines = sorted(_status(handle)["engines"])
-    learner = LearnerGroup(run_recipe, model_path)
+    learner = fresh_learner(run_recipe, model_path)
     job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
     try:
         job.start(prefetch=False)
@@ -250,13 +249,11 @@ def test_a_wrong_install_on_one_of_two_engines_is_caught_by_the_probe_and_repair
 
 
 @pytest.mark.timeout(600)
-def test_both_engines_are_probed_after_the_first_push_and_after_every_push(pool, tmp_path):
-    from services.app import run_learner
-
+def test_both_engines_are_probed_after_the_first_push_and_after_every_push(pool, fresh_learner, tmp_path):
     recipe, handle, _ = pool
     engines = sorted(_status(handle)["engines"])
-    run_learner(tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=2", "checkpointing.enabled=false"),
-                recipe.rollout_pool.name, tmp_path, resume=False)
+    run_lent(fresh_learner, tiny_recipe(*POOL_OVERRIDES, "grpo.max_num_steps=2", "checkpointing.enabled=false"),
+             recipe.rollout_pool.name, tmp_path)
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2]
     for r in got:
@@ -346,13 +343,13 @@ def test_hostile_http_requests_get_client_errors_never_a_crash(pool):
 # ------------------------------------------------------------------ channel with no reader
 
 @pytest.mark.timeout(600)
-def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dropped_with_a_reason(pool, tmp_path):
+def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dropped_with_a_reason(
+        pool, fresh_learner, tmp_path):
     """The learner's channel holds one group; the learner schedules a step and does not read. Every engine
     send but one finds the channel full and gives up after ``channel_send_timeout_s`` (not the 120 s
     ``request_timeout_s``); the engines stay up and keep generating; when the learner reads again it drops
     the undelivered prompts with a reason, replaces them and trains the step."""
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
     from services.models.source import resolve_model
 
     recipe, handle, url = pool
@@ -361,7 +358,7 @@ def test_a_learner_that_stops_reading_costs_bounded_sends_and_its_prompts_are_dr
                              "grpo.async_grpo.enabled=false")  # async needs room for the groups made ahead
     n = run_recipe.grpo.num_prompts_per_step
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(run_recipe, model_path)
+    learner = fresh_learner(run_recipe, model_path)
     job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
     failures_before = _counter(url, "inflight_channel_send_failures")
     try:
@@ -482,11 +479,12 @@ GROUPS_AFTER_RESTART = 3
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one_rejoins(pool, tmp_path, transport):
+def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one_rejoins(
+        pool, fresh_learner, tmp_path, transport):
     """The async lag-1 loop (services/job/loop_async.py, spelled out so the run can end once the killed engine
     has rejoined and served): kill one engine after step 1 with a batch in flight. With ``collective`` the
     restarted engine is outside the weight group until the learner re-forms it."""
-    killer, _, state = _one_of_two_killed_mid_run(pool, tmp_path, transport, "actor")
+    killer, _, state = _one_of_two_killed_mid_run(pool, fresh_learner, tmp_path, transport, "actor")
     assert state["pid"] != killer.old_pid
 
 
@@ -497,24 +495,24 @@ def test_one_of_two_engines_killed_mid_run_the_other_carries_on_and_the_dead_one
     pytest.param("collective", marks=pytest.mark.slow),
 ])
 def test_a_vllm_engine_core_killed_inside_a_live_engine_is_restarted_in_place_and_its_prompts_requeued(
-        pool, tmp_path, transport):
+        pool, fresh_learner, tmp_path, transport):
     """As above, but only the ``VLLM::EngineCore`` child of engine 1 is SIGKILLed; its actor lives on. The pool
     must notice (health asks vLLM), re-queue the batch instead of failing its prompts, restart vLLM inside the same
     actor and re-sync its weights (a new incarnation: with ``collective`` the group is re-formed though the
     actor's pid is unchanged)."""
     import psutil
 
-    killer, summary, state = _one_of_two_killed_mid_run(pool, tmp_path, transport, "core")
+    killer, summary, state = _one_of_two_killed_mid_run(pool, fresh_learner, tmp_path, transport, "core")
     assert state["pid"] == killer.old_pid, "the actor process was replaced: the test killed more than the core"
     assert not psutil.pid_exists(killer.killed_pid) and _engine_core_of(killer.old_pid) != killer.killed_pid
     assert "generation_failed" not in summary.dropped_by_reason, f"prompts were failed, not re-queued: {summary}"
 
 
-def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> tuple[EngineKiller, dict, dict]:
+def _one_of_two_killed_mid_run(pool, fresh_learner, tmp_path, transport: str, target: str
+                               ) -> tuple[EngineKiller, dict, dict]:
     """Run the loop, kill ``target`` of engine 1 after step 1, check the common outcome; returns the killer, the
     ledger summary and the killed engine's final state."""
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
     from services.models.source import resolve_model
 
     recipe, handle, url = pool
@@ -525,7 +523,7 @@ def _one_of_two_killed_mid_run(pool, tmp_path, transport: str, target: str) -> t
     victim, survivor = engines[1], engines[0]
     requeued_before = _status(handle)["requeued_prompts"]
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(run_recipe, model_path)
+    learner = fresh_learner(run_recipe, model_path)
     job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
     received = GroupLog(job)
     killer = EngineKiller(handle, victim, tmp_path, after_step=1, target=target)

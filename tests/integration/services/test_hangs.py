@@ -37,7 +37,7 @@ def attached_job(recipe, run_dir):
     from services import pool as pool_api
     from services.app import deploy_pool
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
+    from services.job.learner_group import LearnerGroup
     from services.models.source import resolve_model
 
     deploy_pool(recipe, run_dir)

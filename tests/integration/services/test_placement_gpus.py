@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 from services.recipe.config import RECIPES_DIR, load_recipe
 from services.recipe.gpu_layout import PlacementError
-from services.job.learner_actor import LearnerGroup
+from services.job.learner_group import LearnerGroup
 
 model = Path(tempfile.mkdtemp(prefix="plg-model-"))
 (model / "config.json").write_text("{}")

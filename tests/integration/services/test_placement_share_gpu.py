@@ -18,7 +18,7 @@ import json, tempfile, time
 import ray
 from services.recipe.config import RECIPES_DIR, load_recipe
 from services.recipe.gpu_layout import PlacementError, check_learner_fits, check_pool_fits, gpu_census, learner_options
-from services.job.learner_actor import wait_placed
+from services.job.learner_group import wait_placed
 from services.pool.placement import engine_options
 
 ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=tempfile.mkdtemp(),

@@ -2,7 +2,9 @@
 its HTTP endpoints, short async and sync runs, and a learner killed and re-attached.
 
 One pool is deployed per module (engine start is the expensive part); each test
-attaches its own learner job to it, as users do.
+attaches its own learner job to it, as users do: in-process jobs on the session's
+one-rank learner, built again for each (``fresh_learner``), the killed and
+re-attached ones as ``inflight learner attach`` subprocesses.
 """
 from __future__ import annotations
 
@@ -51,6 +53,18 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def run_lent(fresh_learner, recipe, pool_name: str, run_dir: Path) -> Path:
+    """``run_learner`` (``resume=False``) on the session's one-rank learner, reset for this run."""
+    from concurrent.futures import Future
+
+    from services.app import run_learner
+    from services.models.variant import resolve_policy_model
+
+    early: Future = Future()
+    early.set_result(fresh_learner(recipe, resolve_policy_model(recipe.policy)))
+    return run_learner(recipe, pool_name, run_dir, resume=False, early=early)
+
+
 def scrape(url: str) -> dict[str, list]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
@@ -76,11 +90,9 @@ def test_admin_endpoints_need_the_token(pool):
     assert httpx.post(f"{url}/v1/admin/resume", headers=auth, timeout=10).json()["paused"] is False
 
 
-def test_async_lag1_run(pool, tmp_path):
-    from services.app import run_learner
-
+def test_async_lag1_run(pool, fresh_learner, tmp_path):
     recipe, url = pool
-    run_learner(tiny_recipe("grpo.max_num_steps=4"), recipe.rollout_pool.name, tmp_path, resume=False)
+    run_lent(fresh_learner, tiny_recipe("grpo.max_num_steps=4"), recipe.rollout_pool.name, tmp_path)
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["policy_version"] for r in got] == [1, 2, 3, 4]
@@ -95,14 +107,12 @@ def test_async_lag1_run(pool, tmp_path):
     assert ages["0.0"] >= 4 and ages["1.0"] >= 16                         # 4 groups at age 0, 12 at age 1
 
 
-def test_async_run_generates_max_trajectory_age_steps_ahead(pool, tmp_path):
+def test_async_run_generates_max_trajectory_age_steps_ahead(pool, fresh_learner, tmp_path):
     """A = 2: prompts of step k+2 are scheduled when step k starts (engines on v(k-1)), so once the pipeline is
     full every trained group is exactly 2 versions old, and none is older."""
-    from services.app import run_learner
-
     recipe, _ = pool
-    run_learner(tiny_recipe("grpo.max_num_steps=5", "grpo.async_grpo.max_trajectory_age_steps=2"),
-                recipe.rollout_pool.name, tmp_path, resume=False)
+    run_lent(fresh_learner, tiny_recipe("grpo.max_num_steps=5", "grpo.async_grpo.max_trajectory_age_steps=2"),
+             recipe.rollout_pool.name, tmp_path)
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert [r["policy_version"] for r in got] == [1, 2, 3, 4, 5]
@@ -112,12 +122,10 @@ def test_async_run_generates_max_trajectory_age_steps_ahead(pool, tmp_path):
     assert all(r["gen_kl_error"] < 1.5e-3 for r in got)
 
 
-def test_sync_run_is_on_policy(pool, tmp_path):
-    from services.app import run_learner
-
+def test_sync_run_is_on_policy(pool, fresh_learner, tmp_path):
     recipe, _ = pool
-    run_learner(tiny_recipe("grpo.max_num_steps=2", "grpo.async_grpo.enabled=false"), recipe.rollout_pool.name,
-                tmp_path, resume=False)
+    run_lent(fresh_learner, tiny_recipe("grpo.max_num_steps=2", "grpo.async_grpo.enabled=false"),
+             recipe.rollout_pool.name, tmp_path)
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2]
     assert all(abs(r["probs_ratio_mean"] - 1.0) < 1e-6 for r in got)
@@ -139,13 +147,11 @@ def test_sync_run_with_two_learner_ranks(pool, tmp_path):
     assert all(r["gen_kl_error"] < 1.5e-3 for r in got)  # what the engine installed is what both ranks trained
 
 
-def test_async_run_with_collective_refit(pool, tmp_path):
+def test_async_run_with_collective_refit(pool, fresh_learner, tmp_path):
     """Weights go learner → engine worker over a gloo weight group instead of the object store."""
-    from services.app import run_learner
-
     recipe, url = pool
-    run_learner(tiny_recipe("grpo.max_num_steps=3", "policy.refit_transport=collective"), recipe.rollout_pool.name,
-                tmp_path, resume=False)
+    run_lent(fresh_learner, tiny_recipe("grpo.max_num_steps=3", "policy.refit_transport=collective"),
+             recipe.rollout_pool.name, tmp_path)
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3]
     assert [r["policy_version"] for r in got] == [1, 2, 3]
@@ -282,17 +288,17 @@ class PoisonedSteps:
         return [ray.put(encode(group)), *refs[1:]]
 
 
-def _run_poisoned(recipe, run_dir: Path, calls: set[int]):
-    """Run the recipe's loop against the module's pool with :class:`PoisonedSteps`; returns (job, error raised)."""
+def _run_poisoned(fresh_learner, recipe, run_dir: Path, calls: set[int]):
+    """Run the recipe's loop against the module's pool with :class:`PoisonedSteps` around the session's learner;
+    returns (job, error raised)."""
     from services import pool as pool_api
     from services.job.learner_job import LearnerJob
-    from services.job.learner_actor import LearnerGroup
     from services.job.loop_async import run_async
     from services.job.loop_sync import run_sync
     from services.models.source import resolve_model
 
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(recipe, model_path)
+    learner = fresh_learner(recipe, model_path)
     job = LearnerJob(recipe, model_path, pool_api.connect(recipe.rollout_pool.name), PoisonedSteps(learner, calls),
                      run_dir, resume=False)
     try:
@@ -312,13 +318,13 @@ def _skipped_steps_counter(url: str) -> float:
     return sum(s.value for s in scrape(url).get("inflight_learner_skipped_steps", []) if s.name.endswith("_total"))
 
 
-def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
+def test_async_run_survives_a_skipped_learner_step(pool, fresh_learner, tmp_path):
     """A skipped step (non-finite loss) is counted, pushes nothing (the engines keep v1: a push of the same
     version used to be refused three times and kill the run), drops its prompts as ``step_skipped``; the
     prompts prefetched for the next step are trained."""
     recipe, url = pool
     before = _skipped_steps_counter(url)
-    job, error = _run_poisoned(tiny_recipe("grpo.max_num_steps=4"), tmp_path, calls={2})
+    job, error = _run_poisoned(fresh_learner, tiny_recipe("grpo.max_num_steps=4"), tmp_path, calls={2})
     assert error is None, f"{type(error).__name__}: {error}"
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
@@ -334,14 +340,14 @@ def test_async_run_survives_a_skipped_learner_step(pool, tmp_path):
     assert summary.trained == 3 * recipe.grpo.num_prompts_per_step
 
 
-def test_sync_run_stops_after_max_consecutive_skipped_steps_with_the_reason(pool, tmp_path):
+def test_sync_run_stops_after_max_consecutive_skipped_steps_with_the_reason(pool, fresh_learner, tmp_path):
     """Skips at steps 2, 4 and 5 with ``grpo.max_consecutive_skipped_steps=2``: step 3 trains and resets the
     count, steps 4-5 are two in a row and stop the job, naming the learner's reason."""
     from services.job.skips import SkippedStepsError
 
     recipe, url = pool
     before = _skipped_steps_counter(url)
-    _, error = _run_poisoned(tiny_recipe("grpo.max_num_steps=6", "grpo.async_grpo.enabled=false",
+    _, error = _run_poisoned(fresh_learner, tiny_recipe("grpo.max_num_steps=6", "grpo.async_grpo.enabled=false",
                                          "grpo.max_consecutive_skipped_steps=2"), tmp_path, calls={2, 4, 5})
     assert isinstance(error, SkippedStepsError), f"{type(error).__name__}: {error}"
     assert "2 steps in a row skipped (steps 4..5" in str(error) and "last reason: non-finite loss" in str(error)

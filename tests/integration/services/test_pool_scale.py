@@ -127,10 +127,9 @@ class Scaler(threading.Thread):
 
 
 @pytest.mark.timeout(600)
-def test_scale_1_to_2_to_1_during_an_async_run_loses_no_prompt_and_trains_none_twice(pool, tmp_path):
+def test_scale_1_to_2_to_1_during_an_async_run_loses_no_prompt_and_trains_none_twice(pool, fresh_learner, tmp_path):
     import ray
 
-    from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
     from services.models.source import resolve_model
     from services.pool.fleet import ScaleRequestError
@@ -140,7 +139,7 @@ def test_scale_1_to_2_to_1_during_an_async_run_loses_no_prompt_and_trains_none_t
         handle.scale.remote(0).result(timeout_s=60)  # through the handle: the same error, not a traceback text
     run_recipe = tiny_recipe(*POOL_OVERRIDES, f"grpo.max_num_steps={MAX_STEPS}", "checkpointing.enabled=false")
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(run_recipe, model_path)
+    learner = fresh_learner(run_recipe, model_path)
     job = LearnerJob(run_recipe, model_path, handle, learner, tmp_path, resume=False)
     received = GroupLog(job)
     scaler = Scaler(handle, url, tmp_path, received)

@@ -57,6 +57,7 @@ def test_the_loop_replays_the_engines_routing_and_masks_sequences_over_the_thres
         ray_cluster, tiny_moe_dir, tmp_path: Path):
     from services import pool as pool_api
     from services.app import deploy_pool
+    from services.job.learner_group import LearnerGroup
 
     model = near_tied_moe(tiny_moe_dir, tmp_path / "near-tied-moe")
     recipe = tiny_recipe(f"policy.model_name={model}", f"rollout_pool.name={POOL_NAME}",
@@ -66,7 +67,7 @@ def test_the_loop_replays_the_engines_routing_and_masks_sequences_over_the_thres
     deployed = deploy_pool(recipe, tmp_path / "pool")
     assert deployed.status.ready, deployed
     try:
-        _, recording = run_recorded_async(recipe, tmp_path / "run")
+        _, recording = run_recorded_async(LearnerGroup, recipe, tmp_path / "run")  # a model of its own: its own group
     finally:
         pool_api.shutdown(POOL_NAME)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

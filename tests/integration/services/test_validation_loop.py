@@ -12,7 +12,8 @@ from data_pool import data_recipe, run_recorded_async, write_problems
 VAL_KEYS = {"val_reward_mean", "val_accuracy", "val_samples", "val_failed_samples", "val_seconds", "val_policy_version"}
 
 
-def test_validation_runs_at_start_and_every_period_outside_the_training_stream(data_pool, tmp_path: Path):
+def test_validation_runs_at_start_and_every_period_outside_the_training_stream(data_pool, fresh_learner,
+                                                                              tmp_path: Path):
     from services.job.checkpoints import METRIC_FILE
 
     train = write_problems(tmp_path / "train.jsonl", 32)
@@ -23,7 +24,7 @@ def test_validation_runs_at_start_and_every_period_outside_the_training_stream(d
                          "grpo.val_at_start=true", "grpo.val_period=2", "grpo.max_val_samples=3",
                          "grpo.val_batch_size=2",  # greedy, one answer a prompt (the defaults): no pass@k
                          "checkpointing.metric_name=val_accuracy", "checkpointing.keep_top_k=1")
-    job, recording = run_recorded_async(recipe, tmp_path / "run")
+    job, recording = run_recorded_async(fresh_learner, recipe, tmp_path / "run")
     ledger, ckpt_root = job.book.ledger, job.checkpoints.root
     trained = [[g.prompt_id for g in b] for b in recording.batches]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

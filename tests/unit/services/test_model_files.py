@@ -8,7 +8,8 @@ import pytest
 
 from services.models import files as model_files
 from services.recipe.config import load_recipe
-from services.job.learner_actor import LearnerActor, LearnerSpec, start_ranks
+from services.job.learner_actor import LearnerActor, LearnerSpec
+from services.job.learner_group import start_ranks
 from services.models.files import ModelFileHolder, ModelFiles, ModelFilesError, ensure_local
 
 
