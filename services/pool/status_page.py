@@ -93,7 +93,8 @@ class StepHistory:
     """The last ``max_steps`` step reports of the learner run the pool serves, oldest first.
 
     A report whose step is not after the last one kept (a new run from step 1, or a learner resumed from an
-    earlier checkpoint) first removes the points from that step on, so the plots show one run. The reports carry
+    earlier checkpoint) first removes the points from that step on, so the plots show one run; a new run's first
+    step (0 or 1) also removes another learner's step 0 (a validation row of the run before). The reports carry
     the buffer's drops as totals (``dropped_<reason>``); a point keeps the step's increase (a total that went
     down, a new job's counter, counts whole) plus the step's rejections (``rejected``)."""
 
@@ -109,7 +110,8 @@ class StepHistory:
         step = report.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"step report: 'step' is {step!r}; expected an integer")
-        while self.points and self.points[-1].step >= step:
+        while self.points and (self.points[-1].step >= step  # from ``step`` on, and at a new run's first step
+                               or (step <= 1 and self.points[-1].learner_id != learner_id)):  # the run before's 0
             self.points.pop()
         drops: dict[str, int] = {}
         for key, total in report.items():

@@ -38,11 +38,11 @@ SHOWS_VERSION = """([version, n]) => document.getElementById("version")?.textCon
 
 
 @pytest.mark.timeout(300)
-def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
+def test_status_page_shows_a_live_run_in_chromium(data_pool, fresh_learner, tmp_path: Path):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     from services import pool as pool_api
-    from services.job.learner_actor import LearnerGroup
     from services.job.learner_job import LearnerJob
     from services.job.loop_async import run_async
     from services.models.source import resolve_model
@@ -52,7 +52,7 @@ def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
     recipe = data_recipe(f"grpo.max_num_steps={STEPS}", "data.dataset_name=null", f"data.train_data_path={data}",
                          "checkpointing.enabled=false")
     model_path = resolve_model(recipe.policy.model_name)
-    learner = LearnerGroup(recipe, model_path)
+    learner = fresh_learner(recipe, model_path)
     job = LearnerJob(recipe, model_path, pool_api.connect(POOL_NAME), learner, tmp_path / "run", resume=False)
     failure: list[BaseException] = []
 
@@ -83,7 +83,12 @@ def test_status_page_shows_a_live_run_in_chromium(data_pool, tmp_path: Path):
                 runner.join(timeout=120)
                 assert not runner.is_alive() and not failure, failure
                 final = httpx.get(f"{url}/v1/status", timeout=10).json()["version"]
-                page.wait_for_function(SHOWS_VERSION, arg=[final, STEPS], timeout=30_000, polling=500)
+                try:
+                    page.wait_for_function(SHOWS_VERSION, arg=[final, STEPS], timeout=30_000, polling=500)
+                except PlaywrightTimeout:
+                    raise AssertionError(f"after the run the page shows {page.evaluate(SNAPSHOT)}, not version "
+                                         f"{final} and {STEPS} points; run: "
+                                         f"{page.locator('#run').inner_text()[:300]!r}") from None
                 ARTIFACTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "status_page.png"), full_page=True)
                 learner_text = page.locator("#learner").inner_text()

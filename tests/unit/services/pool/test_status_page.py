@@ -101,6 +101,11 @@ def test_history_shows_one_run_and_stays_bounded():
     h.record(report(2, dropped_stale=7))
     h.record(report(1, dropped_stale=0))                                  # a new run: its totals start again
     assert [p.step for p in h.points] == [1] and h.points[0].drops == {}
+    h.record(report(0), "learner-a")                                     # a run that validated at its start
+    h.record(report(1), "learner-a")
+    assert [(p.step, p.learner_id) for p in h.points] == [(0, "learner-a"), (1, "learner-a")]  # its own step 0 kept
+    h.record(report(1), "learner-b")                                      # the next run, without a step 0
+    assert [(p.step, p.learner_id) for p in h.points] == [(1, "learner-b")]  # the run before's step 0 went too
     with pytest.raises(ValueError, match=r"'step' is '3'; expected an integer"):
         h.record({"step": "3"})
     with pytest.raises(ValueError, match="max_steps=0"):
