@@ -312,7 +312,7 @@ def main() -> None:
                 r = {"arch": args.shape or args.arch, "experts": experts, "attention_backend": backend,
                      "fusions": fusions,
                      "train_mb_tokens": budget,
-                     "logprob_chunk_size": args.chunk, "oom": str(err).splitlines()[0][:200]}
+                     "logprob_chunk_size": args.chunk, "oom": str(err).splitlines()[0][:600]}
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
