@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from protocol.messages import Trajectory, TrajectoryGroup
+from learner_batches import groups
 from test_pool_and_loops import tiny_recipe
 
 VOCAB = 64
@@ -14,21 +13,13 @@ STEP_KEYS = ("loss", "grad_norm", "policy_version", "optimizer_steps")
 
 
 def group_refs(learner, seed: int) -> list:
-    """Two on-policy groups (log-probs from ``learner``, rewards that vary inside each), in the object store."""
+    """Two on-policy groups of four (log-probs from ``learner``, rewards that vary inside each), in the object
+    store."""
     import ray
 
     from protocol import encode
 
-    rng = np.random.default_rng(seed)
-    refs = []
-    for g in range(2):
-        prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
-        responses = [rng.integers(3, VOCAB, rng.integers(4, 10)).astype(np.int32) for _ in range(4)]
-        lps = learner.logprobs([prompt.tolist()] * 4, [r.tolist() for r in responses])
-        trajs = [Trajectory(r, np.asarray(lp), np.zeros(r.size), float(i % 2)) for i, (r, lp) in
-                 enumerate(zip(responses, lps, strict=True))]
-        refs.append(ray.put(encode(TrajectoryGroup(f"g{g}", f"p{g}", prompt, trajs, 4, VOCAB))))
-    return refs
+    return [ray.put(encode(g)) for g in groups(learner, num_groups=2, group_size=4, seed=seed, vocab=VOCAB)]
 
 
 def probe(learner) -> list[list[float]]:

@@ -1,5 +1,5 @@
 """Learner factory, deterministic prompts/responses/groups and a float32 transformers reference
-for the learner integration tests."""
+for the learner integration tests (and the services tests that train a learner group)."""
 from __future__ import annotations
 
 import numpy as np
