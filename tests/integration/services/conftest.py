@@ -1,5 +1,5 @@
 """Fixtures for the services integration tests: one private local Ray cluster per session, the data pool and the
-OpenAI-serving pool.
+OpenAI-serving pool (each shut down after the last test that uses it, :func:`pytest_runtest_teardown`).
 
 Another Ray cluster may be running on the machine, so the cluster is always a
 fresh local one (``address="local"``) with its own temp dir, no dashboard and a
@@ -10,10 +10,54 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import pytest
 
 OBJECT_STORE_BYTES = 384 * 1024 * 1024
+_RUNNING_POOLS: dict[str, Callable[[], None]] = {}
+"""The shutdown of each session pool while it runs, by the name of its fixture."""
+_SHUT_POOLS: set[str] = set()
+"""Session pools shut down after their last test: a test that asks for one fails at set-up, saying so."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a session pool's last test: shut the pool down. Every module that uses the pool's fixture is in
+    the pool's xdist group, which runs in one piece on one worker (tests/integration/conftest.py), so the pool
+    is done once the next test is of another group, or there is none. (An idle pool, Serve's replica and vLLM's
+    engine with its front, costs about 3 CPU seconds a minute.) A pool whose users are not all in its group is
+    left to the session's end."""
+    for name in list(_RUNNING_POOLS):
+        stack = f"stack-{name}"
+        if {_group(i) for i in item.session.items if name in i.fixturenames} != {stack}:
+            continue
+        if nextitem is None or _group(nextitem) != stack:
+            _SHUT_POOLS.add(name)
+            _RUNNING_POOLS.pop(name)()
+
+
+def _group(item) -> str | None:
+    """The ``xdist_group`` tests/integration/conftest.py gave ``item``'s module."""
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark is not None and mark.args else None
+
+
+def pytest_runtest_setup(item):
+    if used := _SHUT_POOLS.intersection(item.fixturenames):
+        raise RuntimeError(f"the session's {sorted(used)} pool was shut down after the last test that used it "
+                           f"(tests/integration/services/conftest.py); run the tests that use it one after another")
+
+
+def _running_pool(fixture: str, value, shutdown: Callable[[], None]):
+    """Yield ``value`` (what the fixture gives its tests) with ``shutdown`` registered for
+    :func:`pytest_runtest_teardown`; call it at the session's end if that hook did not."""
+    _RUNNING_POOLS[fixture] = shutdown
+    try:
+        yield value
+    finally:
+        if _RUNNING_POOLS.pop(fixture, None) is not None:
+            shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +81,8 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def data_pool(ray_cluster, tmp_path_factory):
     """A deployed pool scoring with ``env.math`` (tests/integration/services/data_pool.py); yields its recipe.
-    It answers at route prefix "/" and stays up from its first test to the end of the session; every other pool
-    deployed on the session's cluster takes its own ``rollout_pool.route_prefix``, so tests run in file order."""
+    It answers at route prefix "/" and stays up from its first test to its last; every other pool deployed on the
+    session's cluster takes its own ``rollout_pool.route_prefix``, so tests run in file order."""
     from services import pool as pool_api
     from services.app import deploy_pool
 
@@ -47,15 +91,14 @@ def data_pool(ray_cluster, tmp_path_factory):
     recipe = data_recipe()
     deployed = deploy_pool(recipe, tmp_path_factory.mktemp("data-pool"))
     assert deployed.status.ready, deployed
-    yield recipe
-    pool_api.shutdown(recipe.rollout_pool.name)
+    yield from _running_pool("data_pool", recipe, lambda: pool_api.shutdown(recipe.rollout_pool.name))
 
 
 @pytest.fixture(scope="session")
 def served(ray_cluster, tmp_path_factory):
     """The OpenAI-serving pool (tests/integration/services/openai_pool.py), its episodes played by an agent server;
-    yields (recipe, base URL, an ``openai`` client with the serving key). Up from its first test to the session's
-    end (its modules run one after the other)."""
+    yields (recipe, base URL, an ``openai`` client with the serving key). Up from its first test to its last (its
+    modules run one after the other)."""
     import openai
     from http_server import Server
     from openai_pool import AGENT_TIMEOUT_S, OVERRIDES, POOL_NAME, TOKEN, agent_app
@@ -72,9 +115,12 @@ def served(ray_cluster, tmp_path_factory):
     deployed = deploy_pool(recipe, tmp_path_factory.mktemp("openai-pool"))
     assert deployed.status.ready, deployed
     client = openai.OpenAI(base_url=f"{deployed.http}/v1", api_key=serving_key(TOKEN), timeout=120, max_retries=0)
-    yield recipe, deployed.http, client
-    pool_api.shutdown(POOL_NAME)
-    agents.stop()
+
+    def shutdown() -> None:
+        pool_api.shutdown(POOL_NAME)
+        agents.stop()
+
+    yield from _running_pool("served", (recipe, deployed.http, client), shutdown)
 
 
 class LentLearner:
