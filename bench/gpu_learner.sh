@@ -10,6 +10,9 @@
 #                                      # buckets as views, fused AdamW, SwiGLU and entropy)
 #   bash bench/gpu_learner.sh HYBRID   # the Nemotron-H shape (nemotron-h-2b) with its experts as Megatron's loop and
 #                                      # as grouped GEMMs, --profile: at 4K (fits an H100), and at 8K on an H200
+#   HYBRID_8K_FIRST=1 bash bench/gpu_learner.sh HYBRID  # on a card of more than 100,000 MiB: 8K first, each experts
+#                                      # layout in a process of its own (grouped, then loop), then the 4K pair with
+#                                      # the time left; no profile (unset: the order above, 8K's two in one process)
 set -u
 PHASE=${1:?phase: FUSIONS, BEFORE_AFTER or HYBRID}
 OUT=${OUT:-bench/results/gpu_learner}
@@ -52,6 +55,13 @@ case "$PHASE" in
       --out "$OUT/qwen3_06b_after.json" ;;
   HYBRID)
     LS="python3 bench/learner_step.py --no-two-step --steps 3 --shape nemotron-h-2b --chunk 2048 --tokens-per-mb 2"
+    if [ "${HYBRID_8K_FIRST:-0}" = 1 ] && [ "$gib" -gt 100000 ]; then
+      step nemotron_h_8k_grouped 200 $LS --experts grouped --mb-tokens 8192 --out "$OUT/nemotron_h_8k_grouped.json"
+      step nemotron_h_8k_loop 200 $LS --experts loop --mb-tokens 8192 --out "$OUT/nemotron_h_8k_loop.json"
+      step nemotron_h_4k_grouped 130 $LS --experts grouped --mb-tokens 4096 --out "$OUT/nemotron_h_4k_grouped.json"
+      step nemotron_h_4k_loop 130 $LS --experts loop --mb-tokens 4096 --out "$OUT/nemotron_h_4k_loop.json"
+      echo "done after $(( $(date +%s) - start ))s"; exit 0
+    fi
     # each experts layout in a process of its own (on an H100, 2026-12-06, grouped ran out of memory right after
     # the loop run in the same process: what the loop left could not be told apart); timings first, the kernel
     # profile after (with --profile the loop run had not finished in 200 s)
