@@ -26,6 +26,7 @@ from pathlib import Path
 from services.cluster import auth as cluster_auth
 from services.cluster import procs as cluster_procs
 from services.cluster.auth import ClusterConnectError
+from services.cluster.ray_runtime import NO_IDLE_WORKERS, system_config_env
 from services.console import progress as startup_progress
 
 log = logging.getLogger("inflight.cluster")
@@ -117,7 +118,7 @@ def ensure_cluster(timeout_s: float = 120.0) -> str:
     try:
         with startup_progress.phase("starting a Ray head node (ray start --head)"):
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                 env=cluster_auth.head_env(token))
+                                 env=cluster_auth.head_env(token) | system_config_env(NO_IDLE_WORKERS))
         failed = f"exited {out.returncode}" if out.returncode != 0 else ""
         output = f"{out.stdout}\n{out.stderr}"
     except subprocess.TimeoutExpired as err:

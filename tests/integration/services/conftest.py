@@ -65,12 +65,14 @@ def ray_cluster():
     """Start a private local Ray (namespace ``inflight``) once; yields its GCS address."""
     import ray
 
+    from services.cluster.ray_runtime import NO_IDLE_WORKERS
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         raise RuntimeError("ray_cluster: Ray is already initialized in this process; refusing to share it")
     temp_dir = tempfile.mkdtemp(prefix="inflight-test-ray-")
     ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-             namespace="inflight", log_to_driver=True)
+             namespace="inflight", log_to_driver=True, _system_config=NO_IDLE_WORKERS)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

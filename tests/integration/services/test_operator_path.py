@@ -8,7 +8,8 @@ them in a scratch directory (``runs/a`` lands there) and picks a free HTTP port.
 process of that head node and none of the ``/dev/shm`` entries they held may remain.
 
 ``test_cluster_cycles_leave_nothing`` runs three head start/stop cycles (each with a driver and
-a detached actor, so workers and Ray's self-renaming agents exist) and prints the times.
+a detached actor, so workers and Ray's self-renaming agents exist) and prints the times; in the first,
+a second driver sees no idle worker on the head.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import psutil
 import pytest
 
 from services.cluster import head as cluster
+
+from test_cluster_workers import idle_workers_seen
 
 ROOT = Path(__file__).resolve().parents[3]
 README_SECTION = "## Deploy a pool, attach a learner"
@@ -223,6 +226,8 @@ def test_cluster_cycles_leave_nothing(home):
         out = subprocess.run([sys.executable, "-c", DRIVER, address], env=user_env(home), cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
+        if cycle == 0:  # no Python worker started for a driver that nothing of Inflight's uses
+            assert idle_workers_seen(address, user_env(home)) == 0
         procs = head_processes(state["temp_dir"], home)
         mem, shm = rss_mib(procs), shm_of(procs)
         names = " ".join(p.name() for p in procs if p.is_running())

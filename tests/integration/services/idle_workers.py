@@ -1,0 +1,42 @@
+"""Run as a script: join (or start) a cluster with ``ray_runtime.connect``, create one actor, and print the most
+Python workers of that cluster seen idle (``ray::IDLE``, children of its raylet) within WAIT_S seconds while this
+driver lives (it stops looking at the first one).
+
+    python idle_workers.py ADDRESS|local WAIT_S
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+import ray
+
+from services.cluster import ray_runtime
+
+
+@ray.remote
+class Ping:
+    def ping(self) -> int:
+        return 1
+
+
+def idle_workers(gcs_address: str) -> list[int]:
+    """PIDs of the idle Python workers whose raylet serves the cluster at ``gcs_address``."""
+    idle = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if p.info["name"] == "raylet" and gcs_address in " ".join(p.info["cmdline"] or []):
+            idle += [c.pid for c in p.children() if c.name() == "ray::IDLE"]
+    return idle
+
+
+if __name__ == "__main__":
+    target, wait_s = sys.argv[1], float(sys.argv[2])
+    gcs = ray_runtime.connect(target)
+    assert ray.get(Ping.remote().ping.remote()) == 1
+    seen, deadline = 0, time.monotonic() + wait_s  # Ray prestarts its workers within seconds of the driver's start
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.25)
+        seen = len(idle_workers(gcs))
+    print(seen)
+    ray_runtime.shutdown()
