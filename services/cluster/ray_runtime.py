@@ -19,7 +19,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from services.console import output as console
 
@@ -27,16 +29,17 @@ NAMESPACE = "inflight"
 OBJECT_STORE_BYTES = int(os.environ.get("INFLIGHT_OBJECT_STORE_MB", "512")) * 1024 * 1024
 """Object store of a private local cluster (``INFLIGHT_OBJECT_STORE_MB``; weight pushes of GB-size
 models through the store need more than the CPU default)."""
-NO_IDLE_WORKERS = {"prestart_worker_first_driver": False}
+NO_IDLE_WORKERS: Mapping[str, bool] = MappingProxyType({"prestart_worker_first_driver": False})
 """Ray's system config for a cluster Inflight starts: no idle Python workers started when the first driver
 connects. Ray starts them for the driver's own tasks (two on this 2-core machine: 160 MiB and ~1 CPU second to
 start, then 0.6 CPU seconds a minute each); nothing of Inflight's used them in an ``inflight run`` or in the
-tests' drivers, and actors start workers of their own (docs/testing.md, "Workers nobody uses")."""
+tests' drivers, and actors start workers of their own (docs/testing.md, "Workers nobody uses"). Read-only: hand
+``ray.init`` a copy, which it fills with the session's own settings (object spilling and more)."""
 _private_temp_dir: Path | None = None
 """The temporary directory of the private cluster :func:`connect` started and :func:`shutdown` removes."""
 
 
-def system_config_env(config: dict[str, bool]) -> dict[str, str]:
+def system_config_env(config: Mapping[str, bool]) -> dict[str, str]:
     """Ray's system config as the ``RAY_<key>`` variables the processes of a ``ray start`` node read."""
     return {f"RAY_{key}": "1" if value else "0" for key, value in config.items()}
 
@@ -66,7 +69,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: s
         temp_dir = temp_dir or tempfile.mkdtemp(prefix="inflight-ray-")
         ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES, _temp_dir=temp_dir, log_to_driver=True,
-                 runtime_env=console.runtime_env(), _system_config=NO_IDLE_WORKERS)
+                 runtime_env=console.runtime_env(), _system_config=dict(NO_IDLE_WORKERS))
         _private_temp_dir = Path(temp_dir) if owned else None
         logs = Path(temp_dir) / "session_latest" / "logs"
     console.forward_actor_lines()

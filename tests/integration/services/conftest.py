@@ -72,7 +72,7 @@ def ray_cluster():
         raise RuntimeError("ray_cluster: Ray is already initialized in this process; refusing to share it")
     temp_dir = tempfile.mkdtemp(prefix="inflight-test-ray-")
     ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-             namespace="inflight", log_to_driver=True, _system_config=NO_IDLE_WORKERS)
+             namespace="inflight", log_to_driver=True, _system_config=dict(NO_IDLE_WORKERS))
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

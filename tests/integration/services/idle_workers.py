@@ -1,11 +1,13 @@
 """Run as a script: join (or start) a cluster with ``ray_runtime.connect``, create one actor, and print the most
 Python workers of that cluster seen idle (``ray::IDLE``, children of its raylet) within WAIT_S seconds while this
-driver lives (it stops looking at the first one).
+driver lives (it stops looking at the first one); then, as JSON, the variables a head node started from this
+process after it would get for Ray's system config (``ray.init`` fills the config it is handed).
 
     python idle_workers.py ADDRESS|local WAIT_S
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -39,4 +41,5 @@ if __name__ == "__main__":
         time.sleep(0.25)
         seen = len(idle_workers(gcs))
     print(seen)
+    print(json.dumps(ray_runtime.system_config_env(ray_runtime.NO_IDLE_WORKERS)))
     ray_runtime.shutdown()

@@ -4,6 +4,7 @@ their own (docs/testing.md, "Workers nobody uses"). The head node ``inflight poo
 test_operator_path.py's cluster cycles."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,14 +15,24 @@ ROOT = HERE.parents[2]
 WAIT_S = 5.0
 
 
-def idle_workers_seen(address: str, env: dict[str, str] | None = None) -> int:
-    """The most idle workers ``idle_workers.py`` saw on the cluster at ``address`` while its driver ran."""
+def idle_workers_run(address: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+    """What ``idle_workers.py`` printed for the cluster at ``address``: the most idle workers it saw while its
+    driver ran, and the system-config variables a head started after it would get."""
     out = subprocess.run([sys.executable, str(HERE / "idle_workers.py"), address, str(WAIT_S)], cwd=ROOT,
                          env=env if env is not None else {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    return int(out.stdout.strip().splitlines()[-1])
+    seen, head_env = out.stdout.strip().splitlines()[-2:]
+    return int(seen), json.loads(head_env)
+
+
+def idle_workers_seen(address: str, env: dict[str, str] | None = None) -> int:
+    return idle_workers_run(address, env)[0]
 
 
 def test_a_private_cluster_starts_no_idle_workers():
-    assert idle_workers_seen("local") == 0
+    seen, head_env = idle_workers_run("local")
+    assert seen == 0
+    # ray.init fills the config it is handed (object spilling, ...): a head started later in the same process
+    # must still get only this (it got RAY_object_spilling_config=1 and failed to start when Ray filled ours)
+    assert head_env == {"RAY_prestart_worker_first_driver": "0"}
