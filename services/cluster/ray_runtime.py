@@ -4,8 +4,9 @@
 given (with the token of the head ``inflight pool deploy`` started when it is that
 head, and after one check that the GCS accepts this client: ``cluster_auth``),
 otherwise it starts a private local cluster: its own temp dir (another
-Ray cluster may be running on the machine), no dashboard and a small object
-store (measured: ~500 MiB instead of ~750 MiB). Everything Inflight creates
+Ray cluster may be running on the machine), no dashboard, a small object
+store (measured: ~500 MiB instead of ~750 MiB) and no prestarted idle workers
+(:data:`NO_IDLE_WORKERS`, also set on the head ``inflight pool deploy`` starts). Everything Inflight creates
 lives in the ``inflight`` namespace so that named actors can be found again.
 
 Every actor of the job runs :func:`services.console.output.setup_worker`, and with a console set up
