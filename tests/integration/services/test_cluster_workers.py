@@ -15,10 +15,11 @@ ROOT = HERE.parents[2]
 WAIT_S = 5.0
 
 
-def idle_workers_run(address: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+def idle_workers_run(address: str, env: dict[str, str] | None = None,
+                     wait_s: float = WAIT_S) -> tuple[int, dict[str, str]]:
     """What ``idle_workers.py`` printed for the cluster at ``address``: the most idle workers it saw while its
-    driver ran, and the system-config variables a head started after it would get."""
-    out = subprocess.run([sys.executable, str(HERE / "idle_workers.py"), address, str(WAIT_S)], cwd=ROOT,
+    driver ran (for up to ``wait_s``), and the system-config variables a head started after it would get."""
+    out = subprocess.run([sys.executable, str(HERE / "idle_workers.py"), address, str(wait_s)], cwd=ROOT,
                          env=env if env is not None else {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -26,8 +27,8 @@ def idle_workers_run(address: str, env: dict[str, str] | None = None) -> tuple[i
     return int(seen), json.loads(head_env)
 
 
-def idle_workers_seen(address: str, env: dict[str, str] | None = None) -> int:
-    return idle_workers_run(address, env)[0]
+def idle_workers_seen(address: str, env: dict[str, str] | None = None, wait_s: float = WAIT_S) -> int:
+    return idle_workers_run(address, env, wait_s)[0]
 
 
 def test_a_private_cluster_starts_no_idle_workers():
