@@ -3,9 +3,10 @@
 A learner job attaches by name (:func:`connect`), gives the pool its trajectory
 channel, submits prompts and pushes weights; when it goes away the pool keeps
 serving its last version. This module is the pool's public face: :func:`deploy`,
-:func:`connect`, :func:`shutdown`, :func:`http_port` and the deployment
-:class:`RolloutPool` (whose ``scale`` adds or removes engines while it serves).
-Its parts: ``deployment`` (the Serve class and HTTP), ``fleet`` and
+:func:`connect`, :func:`scale`, :func:`shutdown` and :func:`http_port`; it imports
+Ray Serve only when one of them runs, so that a process that needs one part (an
+engine actor, the CLI's start-up error) does not pay for Serve and the HTTP app.
+Its parts: ``deployment`` (the Serve class ``RolloutPool`` and HTTP), ``fleet`` and
 ``engine_table`` (the engines, their states and scaling), ``dispatch`` (prompts,
 re-queue and the drain of removed engines), ``watcher`` (health, and the
 admission of new engines), ``startup`` and ``placement`` (boot),
@@ -17,17 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ray import serve
-
 from protocol.pool_replies import PoolStatus
 from services.cluster.head import free_port
-from services.pool.deployment import RolloutPool
 
 if TYPE_CHECKING:
     from services.pool.fleet import ScaleResult
     from services.recipe.config import Recipe
 
-__all__ = ["DeployedPool", "RolloutPool", "connect", "deploy", "http_port", "pool_url", "scale", "shutdown"]
+__all__ = ["DeployedPool", "connect", "deploy", "http_port", "pool_url", "scale", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,10 @@ def deploy(recipe: Recipe, model_path: Any, admin_token: str, ready_timeout_s: f
     :class:`~services.pool.startup.PoolStartError` gives the reason. ``model_path``: a model directory on this
     node (registered with :func:`services.models.files.share` so that engines on other nodes get its files) or
     a :class:`~services.models.files.ModelFiles`."""
+    from ray import serve
+
     from services.models.files import ModelFiles, release, share
+    from services.pool.deployment import RolloutPool
     from services.pool.startup import PoolStartError, reason, remove_pool
 
     name = recipe.rollout_pool.name
@@ -116,6 +117,8 @@ def _shutdown_served_environment(pool_name: str) -> None:
 
 def connect(name: str) -> Any:
     """DeploymentHandle of a running pool; a clear error if there is none."""
+    from ray import serve
+
     try:
         return serve.get_app_handle(name)
     except Exception as exc:  # noqa: BLE001 - Serve raises several types here
@@ -145,6 +148,8 @@ def http_port() -> int:
 
 
 def shutdown(name: str) -> None:
+    from ray import serve
+
     from services.models.files import release
 
     handle = connect(name)
