@@ -5,7 +5,7 @@ channel, submits prompts and pushes weights; when it goes away the pool keeps
 serving its last version. This module is the pool's public face: :func:`deploy`,
 :func:`connect`, :func:`scale`, :func:`shutdown` and :func:`http_port`; it imports
 Ray Serve only when one of them runs, so that a process that needs one part (an
-engine actor, the CLI's start-up error) does not pay for Serve and the HTTP app.
+engine actor imports ``engine_actor``) does not pay for Serve and the HTTP app.
 Its parts: ``deployment`` (the Serve class ``RolloutPool`` and HTTP), ``fleet`` and
 ``engine_table`` (the engines, their states and scaling), ``dispatch`` (prompts,
 re-queue and the drain of removed engines), ``watcher`` (health, and the

@@ -1,6 +1,7 @@
 """The pool package's face imports Ray Serve only when one of its functions runs: every engine's Ray worker imports
 ``services.pool.engine_actor`` (and with it the package), and with Serve and the pool's HTTP app imported at the
-package's top each engine actor paid ~1.5 s of CPU for code it never runs."""
+package's top each engine actor paid for code it never runs (the import 1.11 s in one ``inflight run``'s engine
+worker, 0.18 s without)."""
 from __future__ import annotations
 
 import json
