@@ -4,20 +4,14 @@ imported at the top, each worker imported torch, Ray and Ray Serve (~3 s of CPU)
 to start on 2 cores instead of 9.5 s."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from import_probe import imported_after
 
 HEAVY = ("torch", "ray", "ray.serve", "fastapi", "vllm", "megatron", "transformers")
 
 
 def test_importing_the_cli_module_imports_no_heavy_library():
-    code = f"import json, sys; import services.cli; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    assert imported_after("import services.cli", HEAVY) == []
 
 
 def test_the_recipe_model_imports_no_torch():
-    code = "import sys; import services.recipe.config; print('torch' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.strip().splitlines()[-1] == "False"
+    assert imported_after("import services.recipe.config", ["torch"]) == []
